@@ -1,0 +1,124 @@
+"""The compile hook: which loss-scale optimizer a model's policy asks for."""
+
+import functools
+import inspect
+
+import keras
+
+from keras_dtype_policy.loss_scale import DynamicLossScale
+from keras_dtype_policy.optimizer import LossScaleOptimizer
+
+# Returned by `loss_scale_for_model` when the policy does not say.
+_UNSPECIFIED = object()
+
+
+def loss_scale_for_model(model):
+    """Returns the loss scale that compiling `model` should install.
+
+    A policy that carries its own `loss_scale` (the tf.keras `Policy`) gets
+    that scale, which may be None. Otherwise a model whose policy, or any of
+    whose layers' policies, computes in float16 gets a `DynamicLossScale`
+    with Keras' defaults; any other model gets None.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A loss-scale value, or None for no loss scaling.
+    """
+    policy = model.dtype_policy
+    loss_scale = getattr(policy, "loss_scale", _UNSPECIFIED)
+    if loss_scale is not _UNSPECIFIED:
+        return loss_scale
+    if any(_computes_float16(p) for p in _policies_in(model)):
+        return DynamicLossScale()
+    return None
+
+
+def wrap_optimizer(optimizer, loss_scale):
+    """Wraps `optimizer` in the `LossScaleOptimizer` that `loss_scale` asks.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`.
+        loss_scale: A loss-scale value, or None.
+
+    Returns:
+        The wrapped optimizer, or `optimizer` itself for no loss scale.
+    """
+    if loss_scale is None:
+        return optimizer
+    if loss_scale.dynamic:
+        return LossScaleOptimizer(
+            optimizer,
+            initial_scale=loss_scale.initial_scale,
+            dynamic_growth_steps=loss_scale.increment_period,
+            growth_factor=loss_scale.multiplier,
+            backoff_factor=1.0 / loss_scale.multiplier,
+            min_scale=min(1.0, loss_scale.initial_scale),
+            name="loss_scale_optimizer",
+        )
+    return LossScaleOptimizer(
+        optimizer,
+        dynamic=False,
+        initial_scale=loss_scale.initial_scale,
+        name="loss_scale_optimizer",
+    )
+
+
+def choose_optimizer(model, optimizer):
+    """Returns the optimizer `model.compile` should use for `optimizer`."""
+    if optimizer is None:
+        return None
+    optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer
+    return wrap_optimizer(optimizer, loss_scale_for_model(model))
+
+
+def make_hooked_compile(original_compile):
+    """Returns Keras' `Trainer.compile` with the loss-scale decision ours.
+
+    Args:
+        original_compile: Keras' own `Trainer.compile`.
+
+    Returns:
+        A function with the same signature. With `auto_scale_loss=True` (the
+        default) it wraps the optimizer as `choose_optimizer` says, then
+        calls Keras' compile with `auto_scale_loss=False`, so Keras' own rule
+        (the exact name "mixed_float16") never wraps a second time.
+    """
+    signature = inspect.signature(original_compile)
+    default_optimizer = signature.parameters["optimizer"].default
+
+    @functools.wraps(original_compile)
+    def compile(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        if arguments.get("auto_scale_loss", True):
+            arguments["optimizer"] = choose_optimizer(
+                self, arguments.get("optimizer", default_optimizer)
+            )
+        arguments["auto_scale_loss"] = False
+        return original_compile(*bound.args, **bound.kwargs)
+
+    return compile
+
+
+def _policies_in(model):
+    yield model.dtype_policy
+    for layer in _walk_layers(model):
+        yield layer.dtype_policy
+
+
+def _walk_layers(model):
+    for layer in getattr(model, "layers", ()):
+        yield layer
+        if layer is not model:
+            yield from _walk_layers(layer)
+
+
+def _computes_float16(policy):
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        policies = [policy.default_policy, *policy.values()]
+        return any(_computes_float16(p) for p in policies)
+    return policy.compute_dtype == "float16"

@@ -1,0 +1,84 @@
+"""The global dtype policy: reading, setting and scoping Keras' own global."""
+
+import contextlib
+
+import keras
+
+from keras_dtype_policy.policy import DTypePolicy
+
+
+def as_policy(policy, argument_name="policy"):
+    """Returns `policy` as a policy object.
+
+    Args:
+        policy: A policy name, such as `"mixed_float16"`, or any
+            `keras.DTypePolicy` instance, which is returned as it is.
+        argument_name: The argument name used in error messages.
+
+    Returns:
+        A `keras.DTypePolicy` instance; names give a
+        `keras_dtype_policy.DTypePolicy`.
+    """
+    if isinstance(policy, keras.DTypePolicy):
+        return policy
+    if isinstance(policy, str):
+        return DTypePolicy(policy)
+    raise TypeError(
+        f"`{argument_name}` must be a policy name such as 'mixed_float16' "
+        "or a DTypePolicy instance. "
+        f"Received: {argument_name}={policy!r} (of type {type(policy).__name__})"
+    )
+
+
+def set_dtype_policy(policy):
+    """Sets the global dtype policy that layers without a `dtype` follow.
+
+    This sets Keras' own global policy, so it holds for every layer built
+    afterwards in this thread, as `keras.config.set_dtype_policy` does.
+
+    Args:
+        policy: A policy name, such as `"mixed_float16"`, or a
+            `keras.DTypePolicy` instance.
+
+    Example:
+
+    >>> keras_dtype_policy.set_dtype_policy("mixed_float16")
+    >>> keras.layers.Dense(10).dtype_policy
+    <DTypePolicy "mixed_float16">
+    >>> keras_dtype_policy.set_dtype_policy("float32")
+    """
+    keras.config.set_dtype_policy(as_policy(policy))
+
+
+def dtype_policy():
+    """Returns the current global dtype policy of this thread."""
+    return keras.config.dtype_policy()
+
+
+@contextlib.contextmanager
+def policy_scope(policy):
+    """A context manager that sets the global dtype policy for its block.
+
+    The previous global policy comes back on exit, also when the block
+    raises.
+
+    Args:
+        policy: A policy name or a `keras.DTypePolicy` instance.
+
+    Yields:
+        The policy in force inside the block.
+
+    Example:
+
+    >>> with keras_dtype_policy.policy_scope("mixed_bfloat16"):
+    ...     layer = keras.layers.Dense(4)
+    >>> layer.compute_dtype
+    'bfloat16'
+    """
+    new_policy = as_policy(policy)
+    previous_policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(new_policy)
+    try:
+        yield new_policy
+    finally:
+        keras.config.set_dtype_policy(previous_policy)

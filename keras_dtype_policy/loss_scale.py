@@ -1,0 +1,190 @@
+"""Loss-scale values of the tf.keras API: fixed, dynamic, or none.
+
+A loss scale says how `Model.compile` scales the loss of a float16 model.
+These are small immutable values; the `LossScaleOptimizer` carries out what
+they describe.
+"""
+
+import numbers
+
+from keras_dtype_policy.validation import check_positive_int
+from keras_dtype_policy.validation import check_positive_number
+
+class LossScale:
+    """Base class of the loss-scale values. Not used directly."""
+
+    dynamic = False
+
+    @property
+    def initial_scale(self):
+        """The scale the loss is multiplied by at the first step."""
+        raise NotImplementedError
+
+    def get_config(self):
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config):
+        if not isinstance(config, dict):
+            raise TypeError(
+                f"A {cls.__name__} config must be a dict. "
+                f"Received: config={config!r}"
+            )
+        try:
+            return cls(**config)
+        except TypeError as error:
+            raise ValueError(
+                f"Invalid {cls.__name__} config: {error}. "
+                f"Received: config={config!r}"
+            ) from None
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(self.get_config().items())))
+
+    def __repr__(self):
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({arguments})"
+
+
+class FixedLossScale(LossScale):
+    """A loss scale that never changes.
+
+    Args:
+        loss_scale_value: The scale, a finite number greater than zero.
+
+    Example:
+
+    >>> FixedLossScale(1024).initial_scale
+    1024.0
+    """
+
+    def __init__(self, loss_scale_value):
+        self._value = check_positive_number("loss_scale_value", loss_scale_value)
+
+    @property
+    def initial_scale(self):
+        return self._value
+
+    def get_config(self):
+        return {"loss_scale_value": self._value}
+
+
+class DynamicLossScale(LossScale):
+    """A loss scale that adapts to the gradients.
+
+    A step with a non-finite gradient is skipped and divides the scale by
+    `multiplier`; after `increment_period` finite steps in a row the scale is
+    multiplied by `multiplier`.
+
+    Args:
+        initial_loss_scale: The first scale, a finite number greater than
+            zero. Defaults to `2**15`.
+        increment_period: The number of finite steps in a row after which
+            the scale grows. Defaults to `2000`.
+        multiplier: The factor the scale grows and shrinks by, greater than
+            one. Defaults to `2.0`.
+    """
+
+    dynamic = True
+
+    def __init__(
+        self, initial_loss_scale=2.0**15, increment_period=2000, multiplier=2.0
+    ):
+        self._initial = check_positive_number(
+            "initial_loss_scale", initial_loss_scale
+        )
+        self.increment_period = check_positive_int(
+            "increment_period", increment_period
+        )
+        self.multiplier = check_positive_number("multiplier", multiplier)
+        if self.multiplier <= 1.0:
+            raise ValueError(
+                "`multiplier` must be greater than 1. "
+                f"Received: multiplier={multiplier!r}"
+            )
+
+    @property
+    def initial_scale(self):
+        return self._initial
+
+    def get_config(self):
+        return {
+            "initial_loss_scale": self._initial,
+            "increment_period": self.increment_period,
+            "multiplier": self.multiplier,
+        }
+
+
+_CLASSES = {cls.__name__: cls for cls in (FixedLossScale, DynamicLossScale)}
+
+
+def get_loss_scale(loss_scale):
+    """Turns a loss-scale spec into a loss-scale value, or None.
+
+    Args:
+        loss_scale: One of: a number, for a `FixedLossScale`; `"dynamic"`,
+            for a `DynamicLossScale` with its defaults; `None`, for no loss
+            scaling; a `LossScale` value, returned as it is; or a serialized
+            loss scale, `{"class_name": "FixedLossScale", "config": {...}}`.
+
+    Returns:
+        A `LossScale`, or None.
+
+    Raises:
+        TypeError: if `loss_scale` is of no accepted type.
+        ValueError: if `loss_scale` has an accepted type but a bad value.
+
+    Example:
+
+    >>> get_loss_scale(1024)
+    FixedLossScale(loss_scale_value=1024.0)
+    >>> get_loss_scale("dynamic")
+    DynamicLossScale(initial_loss_scale=32768.0, increment_period=2000, \
+multiplier=2.0)
+    """
+    if loss_scale is None or isinstance(loss_scale, LossScale):
+        return loss_scale
+    if isinstance(loss_scale, str):
+        if loss_scale == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(
+            "`loss_scale` must be a number, 'dynamic', None, a LossScale or "
+            f"a serialized LossScale. Received: loss_scale={loss_scale!r}"
+        )
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+        return FixedLossScale(loss_scale)
+    if isinstance(loss_scale, dict):
+        return deserialize_loss_scale(loss_scale)
+    raise TypeError(
+        "`loss_scale` must be a number, 'dynamic', None, a LossScale or a "
+        f"serialized LossScale. Received: loss_scale={loss_scale!r} "
+        f"(of type {type(loss_scale).__name__})"
+    )
+
+
+def serialize_loss_scale(loss_scale):
+    """Returns the tf.keras form `{"class_name": ..., "config": ...}`."""
+    if loss_scale is None:
+        return None
+    return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+
+
+def deserialize_loss_scale(config):
+    """Builds a loss scale from its tf.keras serialized form.
+
+    Only the two loss-scale classes of this module can be named: the
+    `module` key of the config, if any, is never imported.
+    """
+    class_name = config.get("class_name")
+    inner_config = config.get("config", {})
+    if class_name not in _CLASSES:
+        raise ValueError(
+            "A serialized loss scale must have class_name 'FixedLossScale' "
+            f"or 'DynamicLossScale'. Received: loss_scale={config!r}"
+        )
+    return _CLASSES[class_name].from_config(inner_config)

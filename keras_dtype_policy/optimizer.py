@@ -1,0 +1,314 @@
+"""`LossScaleOptimizer`: dynamic and fixed loss scaling on every backend."""
+
+import keras
+from keras import ops
+
+from keras_dtype_policy import inner_optimizer_config
+from keras_dtype_policy.backend_utils import is_concrete
+from keras_dtype_policy.registration import register
+from keras_dtype_policy.validation import check_positive_int
+from keras_dtype_policy.validation import check_positive_number
+
+
+@register
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """An optimizer that scales the loss to keep float16 gradients alive.
+
+    The trainer multiplies the loss by the current scale (`scale_loss`), so
+    small float16 gradients do not flush to zero; this optimizer divides the
+    gradients by the same scale before its inner optimizer applies them.
+
+    A step whose gradients hold any NaN or Inf is skipped in both modes: the
+    weights and the inner optimizer's state (iterations, moments) stay as
+    they were, and `skipped_steps` counts it. In dynamic mode the scale also
+    follows this rule:
+
+    - a skipped step multiplies the scale by `backoff_factor`, but not below
+      `min_scale`, and restarts the count of finite steps;
+    - after `dynamic_growth_steps` finite steps in a row, the scale is
+      multiplied by `growth_factor`, but not above `max_scale`.
+
+    With `dynamic=False` the scale stays at `initial_scale`, as in tf.keras
+    2. With the default arguments, this reproduces
+    `keras.optimizers.LossScaleOptimizer` step for step while the scale
+    stays within `[min_scale, max_scale]`.
+
+    The scale, the count of finite steps since the last change and the
+    number of skipped steps are optimizer variables: they are saved with the
+    model and restored exactly.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
+        dynamic: Whether the scale adapts to the gradients. Defaults to
+            `True`.
+        initial_scale: The first scale, a finite number greater than zero.
+            Defaults to `2**15`.
+        dynamic_growth_steps: How many finite steps in a row make the scale
+            grow, at least 1. Defaults to `2000`.
+        growth_factor: The factor the scale grows by, greater than 1.
+            Defaults to `2.0`.
+        backoff_factor: The factor the scale shrinks by after a non-finite
+            step, between 0 and 1. Defaults to `0.5`.
+        min_scale: The floor of a dynamic scale. Defaults to `1.0`, as in
+            tf.keras 2 (Keras 3 has no floor).
+        max_scale: The ceiling of a dynamic scale, which keeps it finite.
+            Defaults to `2**24`.
+        name: The optimizer's name.
+
+    Example:
+
+    >>> optimizer = keras_dtype_policy.LossScaleOptimizer(
+    ...     keras.optimizers.Adam(), dynamic=False, initial_scale=1024
+    ... )
+    >>> optimizer.loss_scale
+    1024.0
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        dynamic=True,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        name=None,
+        **kwargs,
+    ):
+        _check_inner_optimizer(inner_optimizer)
+        if not isinstance(dynamic, bool):
+            raise TypeError(
+                "`dynamic` must be True or False. "
+                f"Received: dynamic={dynamic!r} (of type {type(dynamic).__name__})"
+            )
+        initial_scale = check_positive_number("initial_scale", initial_scale)
+        dynamic_growth_steps = check_positive_int(
+            "dynamic_growth_steps", dynamic_growth_steps
+        )
+        growth_factor = check_positive_number("growth_factor", growth_factor)
+        if growth_factor <= 1.0:
+            raise ValueError(
+                "`growth_factor` must be greater than 1. "
+                f"Received: growth_factor={growth_factor!r}"
+            )
+        backoff_factor = check_positive_number("backoff_factor", backoff_factor)
+        if backoff_factor >= 1.0:
+            raise ValueError(
+                "`backoff_factor` must be between 0 and 1. "
+                f"Received: backoff_factor={backoff_factor!r}"
+            )
+        min_scale = check_positive_number("min_scale", min_scale)
+        max_scale = check_positive_number("max_scale", max_scale)
+        if dynamic and not min_scale <= initial_scale <= max_scale:
+            raise ValueError(
+                "A dynamic scale needs min_scale <= initial_scale <= "
+                f"max_scale. Received: min_scale={min_scale!r}, "
+                f"initial_scale={initial_scale!r}, max_scale={max_scale!r}"
+            )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            name=name,
+            **kwargs,
+        )
+        self.dynamic = dynamic
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+
+    def build(self, var_list):
+        super().build(var_list)
+        self.skipped_step_counter = self.add_variable(
+            shape=(),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="skipped_steps",
+        )
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, as a Python float."""
+        if not self.built:
+            return self.initial_scale
+        return float(self.dynamic_scale.numpy())
+
+    @property
+    def dynamic_counter(self):
+        """Finite steps since the scale last changed (or a step was
+        skipped), as a Python int."""
+        if not self.built:
+            return 0
+        return int(self.step_counter.numpy())
+
+    @property
+    def skipped_steps(self):
+        """The number of steps skipped for non-finite gradients, as an int."""
+        if not self.built:
+            return 0
+        return int(self.skipped_step_counter.numpy())
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {type(self).__name__} must be "
+                "built. Build it with `optimizer.build(trainable_variables)`."
+            )
+        own_count = len(self._variables)
+        own_values = list(optimizer_variables[:own_count])
+        inner_values = list(optimizer_variables[own_count:])
+        position = {id(v): i for i, v in enumerate(self._variables)}
+        scale_at = position[id(self.dynamic_scale)]
+        counter_at = position[id(self.step_counter)]
+        skipped_at = position[id(self.skipped_step_counter)]
+
+        finite = self.check_finite(grads)
+        unscaled_grads = self._unscale(
+            grads, own_values[scale_at], self._trainable_variables
+        )
+
+        def apply_step():
+            return self.inner_optimizer.stateless_apply(
+                inner_values, unscaled_grads, trainable_variables
+            )
+
+        def skip_step():
+            return list(trainable_variables), list(inner_values)
+
+        new_trainables, new_inner_values = ops.cond(
+            finite, apply_step, skip_step
+        )
+        (
+            own_values[scale_at],
+            own_values[counter_at],
+            own_values[skipped_at],
+        ) = self._next_state(
+            own_values[scale_at],
+            own_values[counter_at],
+            own_values[skipped_at],
+            finite,
+        )
+        return list(new_trainables), own_values + list(new_inner_values)
+
+    def _common_apply(self, grads, trainable_variables=None):
+        finite = self.check_finite(grads)
+        if not is_concrete(finite):
+            ops.cond(
+                finite,
+                lambda: self._stateful_handle_finite_grads(
+                    grads, trainable_variables
+                ),
+                self._stateful_handle_non_finite_grads,
+            )
+        elif bool(finite):
+            self._stateful_handle_finite_grads(grads, trainable_variables)
+        else:
+            self._stateful_handle_non_finite_grads()
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        unscaled_grads = self._unscale(
+            grads,
+            self.dynamic_scale,
+            trainable_variables or self._trainable_variables,
+        )
+        self.inner_optimizer.apply(
+            unscaled_grads, trainable_variables=trainable_variables
+        )
+        self._assign_next_state(finite=True)
+
+    def _stateful_handle_non_finite_grads(self):
+        self._assign_next_state(finite=False)
+
+    def _assign_next_state(self, finite):
+        scale, counter, skipped = self._next_state(
+            self.dynamic_scale,
+            self.step_counter,
+            self.skipped_step_counter,
+            finite,
+        )
+        self.dynamic_scale.assign(scale)
+        self.step_counter.assign(counter)
+        self.skipped_step_counter.assign(skipped)
+
+    def _unscale(self, grads, scale, variables):
+        return [
+            g
+            if g is None or self._overwrite_variable_with_gradient(v)
+            else ops.divide(g, scale)
+            for g, v in zip(grads, variables)
+        ]
+
+    def _next_state(self, scale, counter, skipped, finite):
+        """Returns the (scale, counter, skipped) that follow one step."""
+        scale = ops.convert_to_tensor(scale)
+        counter = ops.convert_to_tensor(counter)
+        skipped = ops.convert_to_tensor(skipped)
+        finite = ops.convert_to_tensor(finite, dtype="bool")
+        counter_dtype = counter.dtype
+        next_counter = ops.add(counter, ops.ones_like(counter))
+        if self.dynamic:
+            grow = ops.logical_and(
+                finite, ops.greater_equal(next_counter, self.dynamic_growth_steps)
+            )
+            grown = ops.minimum(ops.multiply(scale, self.growth_factor), self.max_scale)
+            shrunk = ops.maximum(ops.multiply(scale, self.backoff_factor), self.min_scale)
+            scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))
+            next_counter = ops.where(grow, ops.zeros_like(counter), next_counter)
+        counter = ops.where(finite, next_counter, ops.zeros_like(counter))
+        skipped = ops.where(finite, skipped, ops.add(skipped, ops.ones_like(skipped)))
+        return (
+            ops.cast(scale, "float32"),
+            ops.cast(counter, counter_dtype),
+            ops.cast(skipped, skipped.dtype),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "dynamic": self.dynamic,
+                "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor,
+                "min_scale": self.min_scale,
+                "max_scale": self.max_scale,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Builds the optimizer from its config, or from a tf.keras 2 one.
+
+        Args:
+            config: The output of `get_config`, or the config of a tf.keras 2
+                `LossScaleOptimizer`: `inner_optimizer`, `dynamic`,
+                `initial_scale` and `dynamic_growth_steps`.
+            custom_objects: Optional custom objects for the inner optimizer.
+
+        Returns:
+            A `LossScaleOptimizer`.
+        """
+        config = dict(config)
+        inner_optimizer = inner_optimizer_config.deserialize_optimizer(
+            config.pop("inner_optimizer", None), custom_objects=custom_objects
+        )
+        return cls(inner_optimizer, **config)
+
+
+def _check_inner_optimizer(inner_optimizer):
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a loss-scale optimizer; wrap its "
+            "own inner optimizer instead. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a keras.optimizers.Optimizer "
+            f"instance. Received: inner_optimizer={inner_optimizer!r} "
+            f"(of type {type(inner_optimizer).__name__})"
+        )

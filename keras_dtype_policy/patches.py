@@ -1,0 +1,79 @@
+"""Every patch this package makes to Keras internals, and its undoing.
+
+Each patch replaces one attribute of a Keras class and says in one line why.
+`install()` applies them all once; `uninstall()` puts Keras' own attributes
+back, the very same objects. If a Keras release moves a patched attribute,
+`install()` raises instead of patching something else.
+"""
+
+import dataclasses
+
+from keras.src.ops.operation import Operation
+from keras.src.trainers.trainer import Trainer
+
+from keras_dtype_policy import compile_hook
+from keras_dtype_policy import policy_deserialization
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    owner: type
+    attribute: str
+    make_replacement: object
+    why: str
+
+    @property
+    def target(self):
+        return f"{self.owner.__module__}.{self.owner.__name__}.{self.attribute}"
+
+
+PATCHES = (
+    Patch(
+        Trainer,
+        "compile",
+        compile_hook.make_hooked_compile,
+        "Wrap the optimizer for any float16 or loss-scale-carrying policy.",
+    ),
+    Patch(
+        Operation,
+        "from_config",
+        policy_deserialization.make_from_config,
+        "Keep this package's policy classes when layers are deserialized.",
+    ),
+)
+
+# target -> (Keras' own attribute, our replacement), while installed.
+_installed = {}
+
+
+def install():
+    """Applies the patches; a second call changes nothing."""
+    for patch in PATCHES:
+        if patch.target in _installed:
+            continue
+        original = patch.owner.__dict__.get(patch.attribute)
+        if original is None:
+            raise RuntimeError(
+                f"keras_dtype_policy cannot patch {patch.target}: this Keras "
+                "release no longer defines it there. Please report this."
+            )
+        replacement = patch.make_replacement(original)
+        setattr(patch.owner, patch.attribute, replacement)
+        _installed[patch.target] = (patch, original, replacement)
+
+
+def uninstall():
+    """Restores Keras' own attributes; a second call changes nothing."""
+    for patch, original, _ in reversed(list(_installed.values())):
+        setattr(patch.owner, patch.attribute, original)
+    _installed.clear()
+
+
+def is_installed():
+    """Returns True while the patches are in place."""
+    return bool(_installed)
+
+
+def installed_patches():
+    """Returns `{target: (original, replacement)}` for the patches in place."""
+    return {t: (o, r) for t, (_, o, r) in _installed.items()}

@@ -1,0 +1,59 @@
+"""Parsing of dtype policy names into compute and variable dtypes."""
+
+import keras
+
+MIXED_POLICIES = {
+    "mixed_float16": ("float16", "float32"),
+    "mixed_bfloat16": ("bfloat16", "float32"),
+}
+
+# Names that tf.keras 2.0 removed, with the policy that replaced them.
+REMOVED_POLICIES = {
+    "float16_with_float32_vars": "mixed_float16",
+    "bfloat16_with_float32_vars": "mixed_bfloat16",
+    "float32_with_float32_vars": "float32",
+    "float64_with_float32_vars": "float64",
+}
+
+ACCEPTED_FORMS = (
+    "'mixed_float16', 'mixed_bfloat16', or a dtype name such as "
+    "'float32', 'float16', 'bfloat16', 'float64', 'int32' or 'bool'"
+)
+
+
+def parse_policy_name(name):
+    """Returns the `(compute_dtype, variable_dtype)` pair a name stands for.
+
+    Args:
+        name: A policy name: `"mixed_float16"`, `"mixed_bfloat16"` or a dtype
+            name that Keras accepts, such as `"float32"` or `"bfloat16"`.
+
+    Returns:
+        A tuple of two dtype strings.
+
+    Raises:
+        TypeError: if `name` is not a string.
+        ValueError: if `name` is not a known policy name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            "A dtype policy name must be a string, such as 'mixed_float16'. "
+            f"Received: name={name!r} (of type {type(name).__name__})"
+        )
+    if name in MIXED_POLICIES:
+        return MIXED_POLICIES[name]
+    if name in REMOVED_POLICIES:
+        raise ValueError(
+            f"The dtype policy {name!r} was removed in TensorFlow 2.0. Use "
+            f"{REMOVED_POLICIES[name]!r} instead. Received: name={name!r}"
+        )
+    try:
+        dtype = keras.backend.standardize_dtype(name)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None:
+        raise ValueError(
+            f"Cannot interpret {name!r} as a dtype policy name. Expected "
+            f"{ACCEPTED_FORMS}. Received: name={name!r}"
+        )
+    return dtype, dtype
