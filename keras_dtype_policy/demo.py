@@ -36,11 +36,16 @@ def layer_table(model):
     for layer in model.layers:
         policy = layer.dtype_policy
         rows.append(
-            (layer.name, policy.name, policy.compute_dtype, policy.variable_dtype)
+            (
+                layer.name,
+                policy.name,
+                policy.compute_dtype,
+                policy.variable_dtype,
+            )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))

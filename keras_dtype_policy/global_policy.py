@@ -26,7 +26,8 @@ def as_policy(policy, argument_name="policy"):
     raise TypeError(
         f"`{argument_name}` must be a policy name such as 'mixed_float16' "
         "or a DTypePolicy instance. "
-        f"Received: {argument_name}={policy!r} (of type {type(policy).__name__})"
+        f"Received: {argument_name}={policy!r} "
+        f"(of type {type(policy).__name__})"
     )
 
 

@@ -32,7 +32,9 @@ def deserialize_optimizer(config, custom_objects=None):
     config = dict(config)
     config["config"] = _without_tf_keras_keys(config.get("config") or {})
     if config.get("module") is None:
-        return keras.optimizers.deserialize(config, custom_objects=custom_objects)
+        return keras.optimizers.deserialize(
+            config, custom_objects=custom_objects
+        )
     return keras.saving.deserialize_keras_object(
         config, custom_objects=custom_objects
     )

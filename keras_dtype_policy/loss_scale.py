@@ -10,6 +10,7 @@ import numbers
 from keras_dtype_policy.validation import check_positive_int
 from keras_dtype_policy.validation import check_positive_number
 
+
 class LossScale:
     """Base class of the loss-scale values. Not used directly."""
 
@@ -47,7 +48,9 @@ class LossScale:
         return hash((type(self).__name__, tuple(self.get_config().items())))
 
     def __repr__(self):
-        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        arguments = ", ".join(
+            f"{k}={v!r}" for k, v in self.get_config().items()
+        )
         return f"{type(self).__name__}({arguments})"
 
 
@@ -64,7 +67,9 @@ class FixedLossScale(LossScale):
     """
 
     def __init__(self, loss_scale_value):
-        self._value = check_positive_number("loss_scale_value", loss_scale_value)
+        self._value = check_positive_number(
+            "loss_scale_value", loss_scale_value
+        )
 
     @property
     def initial_scale(self):
@@ -156,7 +161,9 @@ multiplier=2.0)
             "`loss_scale` must be a number, 'dynamic', None, a LossScale or "
             f"a serialized LossScale. Received: loss_scale={loss_scale!r}"
         )
-    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+    if isinstance(loss_scale, numbers.Real) and not isinstance(
+        loss_scale, bool
+    ):
         return FixedLossScale(loss_scale)
     if isinstance(loss_scale, dict):
         return deserialize_loss_scale(loss_scale)
@@ -171,7 +178,10 @@ def serialize_loss_scale(loss_scale):
     """Returns the tf.keras form `{"class_name": ..., "config": ...}`."""
     if loss_scale is None:
         return None
-    return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+    return {
+        "class_name": type(loss_scale).__name__,
+        "config": loss_scale.get_config(),
+    }
 
 
 def deserialize_loss_scale(config):

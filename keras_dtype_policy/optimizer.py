@@ -81,7 +81,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not isinstance(dynamic, bool):
             raise TypeError(
                 "`dynamic` must be True or False. "
-                f"Received: dynamic={dynamic!r} (of type {type(dynamic).__name__})"
+                f"Received: dynamic={dynamic!r} "
+                f"(of type {type(dynamic).__name__})"
             )
         initial_scale = check_positive_number("initial_scale", initial_scale)
         dynamic_growth_steps = check_positive_int(
@@ -239,7 +240,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             g
             if g is None or self._overwrite_variable_with_gradient(v)
             else ops.divide(g, scale)
-            for g, v in zip(grads, variables)
+            for g, v in zip(grads, variables, strict=True)
         ]
 
     def _next_state(self, scale, counter, skipped, finite):
@@ -252,14 +253,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         next_counter = ops.add(counter, ops.ones_like(counter))
         if self.dynamic:
             grow = ops.logical_and(
-                finite, ops.greater_equal(next_counter, self.dynamic_growth_steps)
+                finite,
+                ops.greater_equal(next_counter, self.dynamic_growth_steps),
             )
-            grown = ops.minimum(ops.multiply(scale, self.growth_factor), self.max_scale)
-            shrunk = ops.maximum(ops.multiply(scale, self.backoff_factor), self.min_scale)
+            grown = ops.minimum(
+                ops.multiply(scale, self.growth_factor), self.max_scale
+            )
+            shrunk = ops.maximum(
+                ops.multiply(scale, self.backoff_factor), self.min_scale
+            )
             scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))
-            next_counter = ops.where(grow, ops.zeros_like(counter), next_counter)
+            next_counter = ops.where(
+                grow, ops.zeros_like(counter), next_counter
+            )
         counter = ops.where(finite, next_counter, ops.zeros_like(counter))
-        skipped = ops.where(finite, skipped, ops.add(skipped, ops.ones_like(skipped)))
+        skipped = ops.where(
+            finite, skipped, ops.add(skipped, ops.ones_like(skipped))
+        )
         return (
             ops.cast(scale, "float32"),
             ops.cast(counter, counter_dtype),

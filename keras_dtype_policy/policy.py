@@ -7,7 +7,10 @@ from keras_dtype_policy import policy_names
 from keras_dtype_policy.registration import register
 
 # Keras' own classes for a plain (not quantized, not mapped) float policy.
-_KERAS_PLAIN_POLICIES = (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
+_KERAS_PLAIN_POLICIES = (
+    keras.DTypePolicy,
+    keras.dtype_policies.FloatDTypePolicy,
+)
 
 
 @register

@@ -9,7 +9,8 @@ def check_positive_number(argument_name, value):
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(
             f"`{argument_name}` must be a number. "
-            f"Received: {argument_name}={value!r} (of type {type(value).__name__})"
+            f"Received: {argument_name}={value!r} "
+            f"(of type {type(value).__name__})"
         )
     value = float(value)
     if not math.isfinite(value) or value <= 0:

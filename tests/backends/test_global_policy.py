@@ -1,0 +1,85 @@
+"""The global policy: set_dtype_policy, dtype_policy and policy_scope."""
+
+import threading
+
+import keras
+import pytest
+
+import keras_dtype_policy as kdp
+from keras_dtype_policy import DTypePolicy
+
+
+def test_seed_example_word_for_word():
+    kdp.set_dtype_policy("mixed_float16")
+    layer1 = keras.layers.Dense(10)
+    assert repr(layer1.dtype_policy) == '<DTypePolicy "mixed_float16">'
+    layer2 = keras.layers.Dense(10, dtype="float32")
+    assert repr(layer2.dtype_policy) == '<DTypePolicy "float32">'
+    kdp.set_dtype_policy("float32")
+    assert keras.layers.Dense(10).dtype_policy.name == "float32"
+    assert keras.layers.Dense(10).compute_dtype == "float32"
+
+
+def test_names_set_this_packages_policy_as_keras_global():
+    kdp.set_dtype_policy("mixed_bfloat16")
+    assert type(keras.config.dtype_policy()) is DTypePolicy
+    assert kdp.dtype_policy() == DTypePolicy("mixed_bfloat16")
+    assert keras.layers.Dense(2).dtype_policy is kdp.dtype_policy()
+
+
+def test_accepts_any_keras_policy_object():
+    policy = keras.DTypePolicy("mixed_float16")
+    kdp.set_dtype_policy(policy)
+    assert kdp.dtype_policy() is policy
+
+
+def test_reads_what_keras_set():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert kdp.dtype_policy().name == "mixed_bfloat16"
+
+
+@pytest.mark.parametrize("bad", [None, 16, ["float32"]])
+def test_bad_policy_is_a_type_error_and_changes_nothing(bad):
+    kdp.set_dtype_policy("mixed_bfloat16")
+    with pytest.raises(TypeError, match="Received: policy="):
+        kdp.set_dtype_policy(bad)
+    with pytest.raises(TypeError, match="Received: policy="):
+        with kdp.policy_scope(bad):
+            pass
+    assert kdp.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_unknown_name_is_a_value_error_and_changes_nothing():
+    with pytest.raises(ValueError, match="Received: name='mixed_float32'"):
+        kdp.set_dtype_policy("mixed_float32")
+    assert kdp.dtype_policy().name == "float32"
+
+
+def test_policy_scope_restores_on_exit_and_on_error():
+    with kdp.policy_scope("mixed_float16") as policy:
+        assert policy == DTypePolicy("mixed_float16")
+        assert keras.layers.Dense(2).compute_dtype == "float16"
+        with kdp.policy_scope("mixed_bfloat16"):
+            assert keras.layers.Dense(2).compute_dtype == "bfloat16"
+        assert kdp.dtype_policy().name == "mixed_float16"
+    assert kdp.dtype_policy().name == "float32"
+    with pytest.raises(RuntimeError, match="boom"):
+        with kdp.policy_scope("mixed_float16"):
+            raise RuntimeError("boom")
+    assert kdp.dtype_policy().name == "float32"
+
+
+def test_global_policy_is_per_thread():
+    kdp.set_dtype_policy("mixed_bfloat16")
+    seen = {}
+
+    def worker():
+        seen["before"] = kdp.dtype_policy().name
+        kdp.set_dtype_policy("mixed_float16")
+        seen["after"] = keras.layers.Dense(2).compute_dtype
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"before": "float32", "after": "float16"}
+    assert kdp.dtype_policy().name == "mixed_bfloat16"
