@@ -106,6 +106,11 @@ def make_hooked_compile(original_compile):
 
 def _policies_in(model):
     yield model.dtype_policy
+    # `dtype_policy` resolves a DTypePolicyMap to the model's own entry; the
+    # map itself may hold float16 entries for the layers.
+    raw_policy = getattr(model, "_dtype_policy", None)
+    if isinstance(raw_policy, keras.dtype_policies.DTypePolicyMap):
+        yield raw_policy
     for layer in _walk_layers(model):
         yield layer.dtype_policy
 

@@ -303,6 +303,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             A `LossScaleOptimizer`.
         """
         config = dict(config)
+        if config.get("dynamic_growth_steps", 0) is None:
+            # tf.keras 2 saves None here for a fixed scale.
+            del config["dynamic_growth_steps"]
         inner_optimizer = inner_optimizer_config.deserialize_optimizer(
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
