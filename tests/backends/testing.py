@@ -1,6 +1,9 @@
 """Test helpers shared by every backend's run of the suite."""
 
+import contextlib
+import io
 import json
+import pathlib
 
 import keras
 import numpy as np
@@ -64,3 +67,38 @@ def classification_data(num_samples=64, seed=0):
     x = rng.normal(size=(num_samples, 6)).astype("float32")
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
     return x, y
+
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_example(tag):
+    """Returns the Python block that follows `<!-- custom-loop: tag -->`."""
+    text = README.read_text()
+    marker = f"<!-- custom-loop: {tag} -->"
+    start = text.index("```python\n", text.index(marker)) + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def run_readme_example(tag):
+    """Runs a README example; returns its namespace and printed output."""
+    namespace = {"__name__": f"readme_{tag}"}
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(readme_example(tag), f"README:{tag}", "exec"), namespace)
+    return namespace, output.getvalue()
+
+
+def check_custom_loop_result(namespace, printed):
+    """What every README custom loop must achieve."""
+    model, optimizer = namespace["model"], namespace["optimizer"]
+    x, y = namespace["x"], namespace["y"]
+    final_loss, scale, skipped = printed.split()
+    baseline = float(np.mean(y**2))
+    assert float(final_loss) < 0.2 * baseline
+    assert float(scale) == optimizer.loss_scale
+    assert int(skipped) == optimizer.skipped_steps
+    assert int(to_numpy(optimizer.iterations)) + optimizer.skipped_steps == 50
+    predictions = to_numpy(model(x))
+    assert np.all(np.isfinite(predictions))
+    assert float(np.mean((predictions - y) ** 2)) < 0.2 * baseline
