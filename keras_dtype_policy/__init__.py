@@ -4,9 +4,14 @@ Importing the package registers its classes with Keras serialization and
 installs its compile hook (see `install` and `uninstall`).
 """
 
+from keras_dtype_policy import experimental
+from keras_dtype_policy import legacy_policy_configs  # noqa: F401
 from keras_dtype_policy.global_policy import dtype_policy
 from keras_dtype_policy.global_policy import policy_scope
 from keras_dtype_policy.global_policy import set_dtype_policy
+from keras_dtype_policy.legacy_policy import Policy
+from keras_dtype_policy.legacy_policy import global_policy
+from keras_dtype_policy.legacy_policy import set_policy
 from keras_dtype_policy.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scale import LossScale
@@ -16,6 +21,7 @@ from keras_dtype_policy.patches import install
 from keras_dtype_policy.patches import is_installed
 from keras_dtype_policy.patches import uninstall
 from keras_dtype_policy.policy import DTypePolicy
+from keras_dtype_policy.tf_keras_bridge import model_from_json
 
 __version__ = "0.1.0"
 
@@ -25,12 +31,17 @@ __all__ = [
     "FixedLossScale",
     "LossScale",
     "LossScaleOptimizer",
+    "Policy",
     "dtype_policy",
+    "experimental",
     "get_loss_scale",
+    "global_policy",
     "install",
     "is_installed",
+    "model_from_json",
     "policy_scope",
     "set_dtype_policy",
+    "set_policy",
     "uninstall",
 ]
 

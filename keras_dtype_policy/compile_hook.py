@@ -5,6 +5,7 @@ import inspect
 
 import keras
 
+from keras_dtype_policy import tf_keras_optimizer_state
 from keras_dtype_policy.loss_scale import DynamicLossScale
 from keras_dtype_policy.optimizer import LossScaleOptimizer
 
@@ -72,6 +73,7 @@ def choose_optimizer(model, optimizer):
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
+    tf_keras_optimizer_state.teach_tf_keras_layout(optimizer)
     return wrap_optimizer(optimizer, loss_scale_for_model(model))
 
 

@@ -30,7 +30,7 @@ def deserialize_optimizer(config, custom_objects=None):
             f"optimizer. Received: inner_optimizer={config!r}"
         )
     config = dict(config)
-    config["config"] = _without_tf_keras_keys(config.get("config") or {})
+    config["config"] = without_tf_keras_keys(config.get("config") or {})
     if config.get("module") is None:
         return keras.optimizers.deserialize(
             config, custom_objects=custom_objects
@@ -40,7 +40,8 @@ def deserialize_optimizer(config, custom_objects=None):
     )
 
 
-def _without_tf_keras_keys(config):
+def without_tf_keras_keys(config):
+    """Drops the optimizer config keys that only tf.keras 2 accepted."""
     config = {k: v for k, v in config.items() if k not in _TF_KERAS_ONLY_KEYS}
     decay = config.pop("decay", None)
     if decay:

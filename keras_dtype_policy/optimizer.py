@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_dtype_policy import inner_optimizer_config
+from keras_dtype_policy import tf_keras_optimizer_state
 from keras_dtype_policy.backend_utils import is_concrete
 from keras_dtype_policy.registration import register
 from keras_dtype_policy.validation import check_positive_int
@@ -115,6 +116,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
             **kwargs,
         )
+        tf_keras_optimizer_state.teach_tf_keras_layout(inner_optimizer)
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -130,6 +132,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="none",
             name="skipped_steps",
         )
+
+    def load_own_variables(self, store):
+        """Loads this optimizer's state, also from a tf.keras 2 file.
+
+        A tf.keras 2 file holds the inner optimizer's state only: it is
+        loaded, and the scale starts from `initial_scale`.
+        """
+        values = tf_keras_optimizer_state.store_values(store)
+        if len(values) != len(self.variables) and self.built:
+            if tf_keras_optimizer_state.assign_optimizer_values(
+                self.inner_optimizer, values
+            ):
+                return
+        super().load_own_variables(store)
+
+    def set_weights(self, weights):
+        """Sets all optimizer values, own and inner, or a tf.keras 2 set."""
+        weights = list(weights)
+        if len(weights) == len(self.variables):
+            for variable, weight in zip(self.variables, weights, strict=True):
+                variable.assign(weight)
+            return
+        if not tf_keras_optimizer_state.assign_optimizer_values(
+            self.inner_optimizer, weights
+        ):
+            raise ValueError(
+                f"Cannot set {len(weights)} values on an optimizer with "
+                f"{len(self.variables)} variables (or its inner optimizer's "
+                f"{len(self.inner_optimizer.variables)})."
+            )
 
     @property
     def loss_scale(self):

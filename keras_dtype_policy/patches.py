@@ -1,30 +1,38 @@
 """Every patch this package makes to Keras internals, and its undoing.
 
-Each patch replaces one attribute of a Keras class and says in one line why.
-`install()` applies them all once; `uninstall()` puts Keras' own attributes
-back, the very same objects. If a Keras release moves a patched attribute,
-`install()` raises instead of patching something else.
+Each patch replaces one attribute of a Keras class or module and says in one
+line why. `install()` applies them all once; `uninstall()` puts Keras' own
+attributes back, the very same objects. If a Keras release moves a patched
+attribute, `install()` raises instead of patching something else.
 """
 
 import dataclasses
+import types
 
+from keras.src import dtype_policies
+from keras.src.legacy.saving import saving_utils
 from keras.src.ops.operation import Operation
+from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy import compile_hook
 from keras_dtype_policy import policy_deserialization
+from keras_dtype_policy import tf_keras_bridge
 
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    owner: type
+    owner: object
     attribute: str
     make_replacement: object
     why: str
 
     @property
     def target(self):
-        return f"{self.owner.__module__}.{self.owner.__name__}.{self.attribute}"
+        if isinstance(self.owner, types.ModuleType):
+            return f"{self.owner.__name__}.{self.attribute}"
+        owner = f"{self.owner.__module__}.{self.owner.__qualname__}"
+        return f"{owner}.{self.attribute}"
 
 
 PATCHES = (
@@ -40,9 +48,39 @@ PATCHES = (
         policy_deserialization.make_from_config,
         "Keep this package's policy classes when layers are deserialized.",
     ),
+    Patch(
+        dtype_policies,
+        "get",
+        policy_deserialization.make_get,
+        "Accept the tf.keras names: 'infer' policies and removed names.",
+    ),
+    Patch(
+        dtype_policies,
+        "deserialize",
+        policy_deserialization.make_deserialize,
+        "Read the policy configs that tf.keras wrote.",
+    ),
+    Patch(
+        saving_lib,
+        "_model_from_config",
+        tf_keras_bridge.make_model_from_config_json,
+        "Translate tf.keras 2 model configs in .keras files.",
+    ),
+    Patch(
+        saving_utils,
+        "model_from_config",
+        tf_keras_bridge.make_model_from_config,
+        "Translate tf.keras 2 model configs in .h5 files.",
+    ),
+    Patch(
+        saving_utils,
+        "compile_args_from_training_config",
+        tf_keras_bridge.make_compile_args_from_training_config,
+        "Translate tf.keras 2 optimizer configs in .h5 files.",
+    ),
 )
 
-# target -> (Keras' own attribute, our replacement), while installed.
+# target -> (patch, Keras' own attribute, our replacement), while installed.
 _installed = {}
 
 
@@ -51,7 +89,7 @@ def install():
     for patch in PATCHES:
         if patch.target in _installed:
             continue
-        original = patch.owner.__dict__.get(patch.attribute)
+        original = vars(patch.owner).get(patch.attribute)
         if original is None:
             raise RuntimeError(
                 f"keras_dtype_policy cannot patch {patch.target}: this Keras "

@@ -1,7 +1,10 @@
-"""Keeping this package's policies through Keras' layer deserialization."""
+"""Policy lookup and deserialization: this package's and tf.keras' forms."""
 
 import keras
 
+from keras_dtype_policy import legacy_policy
+from keras_dtype_policy import legacy_policy_configs
+from keras_dtype_policy import policy_names
 from keras_dtype_policy.registration import PACKAGE
 
 
@@ -42,3 +45,54 @@ def is_package_policy_config(config):
     return isinstance(registered_name, str) and registered_name.startswith(
         f"{PACKAGE}>"
     )
+
+
+def make_deserialize(original_deserialize):
+    """Returns `dtype_policies.deserialize` that also reads tf.keras forms.
+
+    Args:
+        original_deserialize: Keras' own `dtype_policies.deserialize`.
+
+    Returns:
+        A function with the same signature.
+    """
+
+    def deserialize(config, custom_objects=None):
+        if legacy_policy_configs.is_legacy_policy_config(config):
+            return legacy_policy_configs.policy_from_legacy_config(config)
+        return original_deserialize(config, custom_objects=custom_objects)
+
+    deserialize.__doc__ = original_deserialize.__doc__
+    deserialize.__wrapped__ = original_deserialize
+    return deserialize
+
+
+def make_get(original_get):
+    """Returns `dtype_policies.get` that knows the tf.keras names.
+
+    The infer names give each caller (each layer) a policy of its own, so
+    no layer's inference touches a shared or global policy object. Names
+    that tf.keras 2.0 removed raise a `ValueError` naming the replacement.
+
+    Args:
+        original_get: Keras' own `dtype_policies.get`.
+
+    Returns:
+        A function with the same signature.
+    """
+
+    def get(identifier):
+        if identifier is None:
+            identifier = keras.config.dtype_policy()
+        if isinstance(identifier, legacy_policy.Policy) and identifier.infers:
+            return legacy_policy.fresh_infer_policy(identifier)
+        if isinstance(identifier, str) and (
+            identifier in legacy_policy.INFER_POLICIES
+            or identifier in policy_names.REMOVED_POLICIES
+        ):
+            return legacy_policy_configs.policy_for_name(identifier)
+        return original_get(identifier)
+
+    get.__doc__ = original_get.__doc__
+    get.__wrapped__ = original_get
+    return get

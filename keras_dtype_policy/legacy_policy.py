@@ -1,0 +1,203 @@
+"""The tf.keras mixed-precision API: `Policy`, `set_policy`, `global_policy`.
+
+`Policy` is tf.keras' experimental policy: a `DTypePolicy` that also names a
+loss scale, and that accepts the "infer" policies of TensorFlow 1.
+"""
+
+import warnings
+
+import keras
+
+from keras_dtype_policy import policy_names
+from keras_dtype_policy.loss_scale import get_loss_scale
+from keras_dtype_policy.loss_scale import serialize_loss_scale
+from keras_dtype_policy.policy import DTypePolicy
+from keras_dtype_policy.registration import register
+
+# Infer policies: name -> variable dtype (None: the inferred dtype).
+INFER_POLICIES = {
+    "infer": None,
+    "_infer": None,
+    "infer_with_float32_vars": "float32",
+}
+# What an infer_with_float32_vars policy becomes once its input is seen.
+_FLOAT32_VARS_NAMES = {
+    "float16": "mixed_float16",
+    "bfloat16": "mixed_bfloat16",
+    "float32": "float32",
+}
+_AUTO = "auto"
+
+
+@register
+class Policy(DTypePolicy):
+    """The deprecated tf.keras policy with a loss scale.
+
+    Prefer `keras_dtype_policy.DTypePolicy`, and a `LossScaleOptimizer` for
+    loss scaling. A model compiled under this policy gets the loss scale it
+    names. As tf.keras did, deserializing it through Keras' own functions
+    (`deserialize_keras_object`, a layer's `from_config`, `load_model`)
+    yields the non-experimental `DTypePolicy` and drops the loss scale; this
+    package warns once when it does.
+
+    Args:
+        name: A `DTypePolicy` name, or one of the infer policies: `"infer"`
+            (or `"_infer"`), whose layers take the dtype of their first input
+            on their first call, and `"infer_with_float32_vars"`, which does
+            so for the compute dtype only and keeps float32 variables.
+        loss_scale: `"auto"` (dynamic for `"mixed_float16"`, none
+            otherwise), a number for a `FixedLossScale`, `"dynamic"` for a
+            `DynamicLossScale`, None for no loss scaling, or a loss-scale
+            value.
+
+    Example:
+
+    >>> policy = Policy("mixed_float16", loss_scale=1024)
+    >>> policy.loss_scale
+    FixedLossScale(loss_scale_value=1024.0)
+    """
+
+    _policy_kind = "legacy"
+
+    def __init__(self, name, loss_scale=_AUTO):
+        warnings.warn(
+            "keras_dtype_policy.Policy is deprecated: use "
+            "keras_dtype_policy.DTypePolicy, and a "
+            "keras_dtype_policy.LossScaleOptimizer for loss scaling.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self._setup(name, loss_scale)
+
+    @classmethod
+    def create(cls, name, loss_scale=_AUTO):
+        """Builds a `Policy` without the deprecation warning."""
+        policy = cls.__new__(cls)
+        policy._setup(name, loss_scale)
+        return policy
+
+    def _setup(self, name, loss_scale):
+        self._name = name
+        self._compute_dtype, self._variable_dtype = self._parse_name(name)
+        self._quantization_mode = None
+        if isinstance(loss_scale, str) and loss_scale == _AUTO:
+            loss_scale = "dynamic" if name == "mixed_float16" else None
+        self._loss_scale = get_loss_scale(loss_scale)
+
+    def _parse_name(self, name):
+        if isinstance(name, str) and name in INFER_POLICIES:
+            return None, INFER_POLICIES[name]
+        return policy_names.parse_policy_name(name)
+
+    @property
+    def loss_scale(self):
+        """The loss scale of this policy: a loss-scale value, or None."""
+        return self._loss_scale
+
+    @property
+    def should_cast_variables(self):
+        """True if variables are cast to another dtype for computations."""
+        return self.variable_dtype != self.compute_dtype
+
+    @property
+    def infers(self):
+        """True until an infer policy has seen its first input."""
+        return self._compute_dtype is None
+
+    def convert_input(self, x, autocast, dtype):
+        if self.infers:
+            self._infer_from(x)
+            dtype = self._compute_dtype
+        return super().convert_input(x, autocast, dtype)
+
+    def _infer_from(self, x):
+        """Takes the dtype of the first input as this policy's dtype."""
+        leaves = [leaf for leaf in keras.tree.flatten(x) if leaf is not None]
+        if not leaves:
+            return
+        first = leaves[0]
+        dtype = getattr(first, "dtype", None)
+        dtype = keras.backend.standardize_dtype(
+            dtype if dtype is not None else type(first)
+        )
+        variable_dtype = self._variable_dtype or dtype
+        if self._variable_dtype is None:
+            name = dtype
+        else:
+            name = _FLOAT32_VARS_NAMES.get(dtype, self._name)
+        self._name = name
+        self._compute_dtype = dtype
+        self._variable_dtype = variable_dtype
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "loss_scale": serialize_loss_scale(self.loss_scale),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """Rebuilds a `Policy`, loss scale included, from its config."""
+        if not isinstance(config, dict) or "name" not in config:
+            raise ValueError(
+                "A Policy config must be a dict with a 'name' key. "
+                f"Received: config={config!r}"
+            )
+        unknown = set(config) - {"name", "loss_scale"}
+        if unknown:
+            raise ValueError(
+                f"Unknown keys {sorted(unknown)} in a Policy config. "
+                f"Received: config={config!r}"
+            )
+        return cls.create(config["name"], config.get("loss_scale", _AUTO))
+
+    def __eq__(self, other):
+        if not isinstance(other, Policy):
+            return (
+                NotImplemented
+                if not isinstance(other, keras.DTypePolicy)
+                else False
+            )
+        return self.name == other.name and self.loss_scale == other.loss_scale
+
+    def __hash__(self):
+        return hash((self._policy_kind, self.name, self.loss_scale))
+
+    def __repr__(self):
+        return f'<Policy "{self.name}", loss_scale={self.loss_scale!r}>'
+
+
+def fresh_infer_policy(policy):
+    """Returns an unresolved copy of an infer policy for one layer."""
+    return Policy.create(policy.name, policy.loss_scale)
+
+
+def set_policy(policy):
+    """Sets the global policy, as tf.keras' `set_policy` did.
+
+    Args:
+        policy: A policy name (the infer names included), a policy object,
+            or None, which restores the default float policy.
+
+    Example:
+
+    >>> set_policy("mixed_float16")  # layers built now compute in float16
+    >>> set_policy(None)
+    """
+    if policy is None:
+        policy = DTypePolicy(keras.config.floatx())
+    elif isinstance(policy, str) and policy in INFER_POLICIES:
+        policy = Policy.create(policy)
+    elif isinstance(policy, str):
+        policy = DTypePolicy(policy)
+    elif not isinstance(policy, keras.DTypePolicy):
+        raise TypeError(
+            "`policy` must be a policy name, a DTypePolicy or None. "
+            f"Received: policy={policy!r} (of type {type(policy).__name__})"
+        )
+    keras.config.set_dtype_policy(policy)
+
+
+def global_policy():
+    """Returns the global policy of this thread, as tf.keras' did."""
+    return keras.config.dtype_policy()

@@ -1,0 +1,83 @@
+"""Loading what tf.keras 2 saved: the hooks on Keras' loaders, and JSON."""
+
+import json
+
+import keras
+
+from keras_dtype_policy import tf_keras_configs
+
+
+def model_from_json(json_string, custom_objects=None):
+    """Builds a model from the JSON that tf.keras 2's `to_json()` wrote.
+
+    Keras 3's own `keras.models.model_from_json` reads only Keras 3 JSON.
+    This reads both, with the policies of tf.keras (mixed precision
+    included) translated.
+
+    Args:
+        json_string: The JSON text of a model architecture.
+        custom_objects: Optional dict of custom classes or functions.
+
+    Returns:
+        An uncompiled Keras model, with freshly initialized weights.
+    """
+    if not isinstance(json_string, (str, bytes)):
+        raise TypeError(
+            "`json_string` must be a JSON string. "
+            f"Received: json_string of type {type(json_string).__name__}"
+        )
+    try:
+        config = json.loads(json_string)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"`json_string` is not valid JSON: {error}. "
+            f"Received: json_string={json_string[:80]!r}..."
+        ) from None
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise ValueError(
+            "`json_string` must hold a model config with a 'class_name'. "
+            f"Received: json_string={json_string[:80]!r}"
+        )
+    config = tf_keras_configs.translate_model_config(config)
+    return keras.models.model_from_json(
+        json.dumps(config), custom_objects=custom_objects
+    )
+
+
+def make_model_from_config_json(original):
+    """Wraps saving_lib's `_model_from_config` (the .keras loader)."""
+
+    def model_from_config_json(config_json, *args, **kwargs):
+        config = tf_keras_configs.translate_model_config(
+            json.loads(config_json)
+        )
+        return original(json.dumps(config), *args, **kwargs)
+
+    model_from_config_json.__wrapped__ = original
+    return model_from_config_json
+
+
+def make_model_from_config(original):
+    """Wraps the legacy `model_from_config` (the .h5 loader)."""
+
+    def model_from_config(config, custom_objects=None):
+        if isinstance(config, dict):
+            config = tf_keras_configs.translate_model_config(config)
+        return original(config, custom_objects=custom_objects)
+
+    model_from_config.__wrapped__ = original
+    return model_from_config
+
+
+def make_compile_args_from_training_config(original):
+    """Wraps the legacy .h5 loader's reading of the optimizer config."""
+
+    def compile_args_from_training_config(training_config, custom_objects=None):
+        if isinstance(training_config, dict):
+            training_config = tf_keras_configs.translate_compile_config(
+                training_config
+            )
+        return original(training_config, custom_objects=custom_objects)
+
+    compile_args_from_training_config.__wrapped__ = original
+    return compile_args_from_training_config

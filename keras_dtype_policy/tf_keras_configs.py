@@ -1,0 +1,207 @@
+"""Rewriting model configs that tf.keras 2 wrote into Keras 3's forms.
+
+Keras 3 reads most of a tf.keras 2 model config as it is. What it cannot
+read, this rewrites, and nothing else:
+
+- policies: tf.keras' `Policy`/`PolicyV1` dicts become the policy name (a
+  loss scale is dropped, with a warning), and `None`, which tf.keras wrote
+  for its `_infer` policy, becomes `"_infer"`;
+- model classes saved under tf.keras modules (`tf_keras.src.engine...`);
+- tf.keras' `LossScaleOptimizer` (`LossScaleOptimizerV3`), which becomes
+  this package's `LossScaleOptimizer`, and optimizer keys Keras 3 rejects;
+- layer arguments Keras 3 removed (`time_major`), and one-element `axis`
+  lists.
+
+The rewrite never imports or calls anything a config names.
+"""
+
+import copy
+
+from keras_dtype_policy import legacy_policy_configs
+from keras_dtype_policy.inner_optimizer_config import without_tf_keras_keys
+from keras_dtype_policy.registration import registered_name
+
+_TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
+_MODEL_CLASSES = {
+    "Functional": ("keras.src.models.functional", "Functional"),
+    "Sequential": ("keras", None),
+    "Model": ("keras.src.models.functional", "Functional"),
+}
+_LOSS_SCALE_OPTIMIZERS = ("LossScaleOptimizerV3", "LossScaleOptimizer")
+_REMOVED_LAYER_ARGUMENTS = ("time_major",)
+# Loss and metric short names that Keras 3's loaders cannot deserialize.
+_LOSS_ALIASES = {
+    "mse": "mean_squared_error",
+    "mae": "mean_absolute_error",
+    "mape": "mean_absolute_percentage_error",
+    "msle": "mean_squared_logarithmic_error",
+}
+# Compile arguments that tf.keras saved as None and Keras 3 needs set.
+_COMPILE_DEFAULTS = {
+    "steps_per_execution": 1,
+    "jit_compile": "auto",
+    "run_eagerly": False,
+}
+
+
+def is_tf_keras_config(config):
+    """Returns True if a model config shows tf.keras 2 as its writer."""
+    if not isinstance(config, dict):
+        return False
+    version = config.get("keras_version")
+    if isinstance(version, str) and version.startswith("2."):
+        return True
+    module = config.get("module")
+    if isinstance(module, str) and module.startswith(_TF_KERAS_MODULE_PREFIXES):
+        return True
+    layers = (config.get("config") or {}).get("layers")
+    return isinstance(layers, list) and any(
+        isinstance(layer, dict)
+        and "batch_input_shape" in (layer.get("config") or {})
+        for layer in layers
+    )
+
+
+def translate_model_config(config):
+    """Returns a copy of a model config that Keras 3 can deserialize.
+
+    Args:
+        config: A model config dict, as tf.keras 2 or Keras 3 wrote it.
+            Keras 3 configs come back unchanged.
+
+    Returns:
+        The rewritten copy.
+    """
+    from_tf_keras = is_tf_keras_config(config)
+    return _translate(copy.deepcopy(config), from_tf_keras)
+
+
+def translate_optimizer_config(config):
+    """Returns an optimizer config that Keras 3 (with this package) reads."""
+    if not isinstance(config, dict):
+        return config
+    config = copy.deepcopy(config)
+    if _is_tf_keras_loss_scale_optimizer(config):
+        inner = dict(config.get("config") or {})
+        inner_optimizer = inner.get("inner_optimizer")
+        if isinstance(inner_optimizer, dict):
+            inner["inner_optimizer"] = translate_optimizer_config(
+                inner_optimizer
+            )
+        return {
+            "module": "keras_dtype_policy.optimizer",
+            "class_name": "LossScaleOptimizer",
+            "config": inner,
+            "registered_name": "keras_dtype_policy>LossScaleOptimizer",
+        }
+    class_name = config.get("class_name")
+    inner = config.get("config")
+    if isinstance(class_name, str) and isinstance(inner, dict):
+        if "is_legacy_optimizer" in inner or "jit_compile" in inner:
+            # tf.keras 2.11+ optimizers; "Custom>Adam" in .h5 files.
+            config["class_name"] = class_name.removeprefix("Custom>")
+            config["config"] = without_tf_keras_keys(inner)
+    return config
+
+
+def translate_compile_config(config):
+    """Returns a tf.keras compile (or .h5 training) config for Keras 3."""
+    config = dict(config)
+    for key, default in _COMPILE_DEFAULTS.items():
+        if key in config and config[key] is None:
+            config[key] = default
+    for key in ("loss", "metrics", "weighted_metrics"):
+        if key in config:
+            config[key] = _unalias_losses(config[key])
+    for key in ("optimizer", "optimizer_config"):
+        if isinstance(config.get(key), dict):
+            config[key] = translate_optimizer_config(config[key])
+    return config
+
+
+def _unalias_losses(value):
+    if isinstance(value, str):
+        return _LOSS_ALIASES.get(value, value)
+    if isinstance(value, list):
+        return [_unalias_losses(v) for v in value]
+    if isinstance(value, dict) and "class_name" not in value:
+        return {k: _unalias_losses(v) for k, v in value.items()}
+    return value
+
+
+def _is_tf_keras_loss_scale_optimizer(config):
+    if config.get("class_name") not in _LOSS_SCALE_OPTIMIZERS:
+        return False
+    module = config.get("module")
+    registered = config.get("registered_name")
+    if registered == registered_name_of_ours():
+        return False
+    if registered == "LossScaleOptimizerV3":
+        return True
+    return module is None or (
+        isinstance(module, str) and module.startswith(_TF_KERAS_MODULE_PREFIXES)
+    )
+
+
+def registered_name_of_ours():
+    from keras_dtype_policy.optimizer import LossScaleOptimizer
+
+    return registered_name(LossScaleOptimizer)
+
+
+def _translate(node, from_tf_keras):
+    if isinstance(node, list):
+        return [_translate(item, from_tf_keras) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "class_name" in node and isinstance(node.get("config"), dict):
+        node = _translate_object(node, from_tf_keras)
+    if from_tf_keras and isinstance(node.get("compile_config"), dict):
+        node["compile_config"] = translate_compile_config(
+            node["compile_config"]
+        )
+    return {
+        key: _translate(value, from_tf_keras) for key, value in node.items()
+    }
+
+
+def _translate_object(node, from_tf_keras):
+    class_name = node["class_name"]
+    module = node.get("module")
+    if class_name in _MODEL_CLASSES and (
+        (module is None and from_tf_keras)
+        or (
+            isinstance(module, str)
+            and module.startswith(_TF_KERAS_MODULE_PREFIXES)
+        )
+    ):
+        new_module, new_registered = _MODEL_CLASSES[class_name]
+        node["module"] = new_module
+        node["class_name"] = new_registered or class_name
+        node["registered_name"] = new_registered
+    if (
+        class_name in _LOSS_SCALE_OPTIMIZERS
+        or "is_legacy_optimizer" in node["config"]
+    ):
+        return translate_optimizer_config(node)
+    inner = node["config"]
+    if "dtype" in inner:
+        inner["dtype"] = _translate_dtype(inner["dtype"], from_tf_keras)
+    for argument in _REMOVED_LAYER_ARGUMENTS:
+        inner.pop(argument, None)
+    if from_tf_keras:
+        axis = inner.get("axis")
+        if isinstance(axis, list) and len(axis) == 1:
+            inner["axis"] = axis[0]
+        if class_name == "InputLayer" and "batch_input_shape" in inner:
+            inner["batch_shape"] = inner.pop("batch_input_shape")
+    return node
+
+
+def _translate_dtype(dtype, from_tf_keras):
+    if dtype is None and from_tf_keras:
+        return "_infer"
+    if legacy_policy_configs.is_legacy_policy_config(dtype):
+        policy = legacy_policy_configs.policy_from_legacy_config(dtype)
+        return policy.name
+    return dtype

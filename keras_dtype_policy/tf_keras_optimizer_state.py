@@ -1,0 +1,87 @@
+"""Reading optimizer state in the layout tf.keras 2 saved it.
+
+tf.keras 2 optimizers saved `[iteration, slots...]`, the slots grouped per
+variable (Adam: `m`, `v` for each variable in turn). Keras 3 optimizers hold
+`[iteration, learning_rate, slots...]` in the same slot order, so the state
+carries over once the learning rate is left out. tf.keras files hold no
+loss-scale state (neither the current scale nor its counter), so a
+`LossScaleOptimizer` restored from one starts from its initial scale.
+"""
+
+import types
+
+import numpy as np
+
+
+def assign_optimizer_values(optimizer, values):
+    """Assigns saved values to a built optimizer, Keras 3 or tf.keras layout.
+
+    Args:
+        optimizer: A built `keras.optimizers.Optimizer` (not a wrapper).
+        values: The saved arrays, in saved order.
+
+    Returns:
+        True if the values fitted one of the two layouts and were assigned,
+        False (and nothing assigned) otherwise.
+    """
+    variables = list(optimizer.variables)
+    values = [np.asarray(v) for v in values]
+    if len(values) == len(variables):
+        targets = variables
+    elif _is_tf_keras_layout(optimizer, variables, values):
+        targets = [variables[0]] + variables[2:]
+    else:
+        return False
+    if any(
+        tuple(t.shape) != v.shape for t, v in zip(targets, values, strict=True)
+    ):
+        return False
+    for target, value in zip(targets, values, strict=True):
+        target.assign(value)
+    return True
+
+
+def _is_tf_keras_layout(optimizer, variables, values):
+    return (
+        len(values) == len(variables) - 1
+        and len(variables) >= 2
+        and variables[1] is getattr(optimizer, "_learning_rate", None)
+        and values[0].shape == ()
+    )
+
+
+def store_values(store):
+    """Returns the arrays of a Keras weights store in saved order."""
+    return [store[str(i)] for i in range(len(store.keys()))]
+
+
+def teach_tf_keras_layout(optimizer):
+    """Makes one optimizer also read state in the tf.keras 2 layout.
+
+    Its `load_own_variables` (used by `keras.saving.load_model` for .keras
+    files) and `set_weights` (used for .h5 files) accept the tf.keras 2
+    layout besides their own; every other input goes to the class' own
+    method, unchanged. Without this, Keras 3 skips such state with a
+    warning, or fails to set it.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`.
+    """
+    optimizer_class = type(optimizer)
+    if not getattr(optimizer, "_reads_tf_keras_layout", False):
+        optimizer._reads_tf_keras_layout = True
+
+        def load_own_variables(self, store):
+            values = store_values(store)
+            if not (self.built and assign_optimizer_values(self, values)):
+                optimizer_class.load_own_variables(self, store)
+
+        def set_weights(self, weights):
+            weights = list(weights)
+            if not (self.built and assign_optimizer_values(self, weights)):
+                optimizer_class.set_weights(self, weights)
+
+        optimizer.load_own_variables = types.MethodType(
+            load_own_variables, optimizer
+        )
+        optimizer.set_weights = types.MethodType(set_weights, optimizer)
