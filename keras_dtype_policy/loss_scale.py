@@ -164,7 +164,7 @@ multiplier=2.0)
     if isinstance(loss_scale, numbers.Real) and not isinstance(
         loss_scale, bool
     ):
-        return FixedLossScale(loss_scale)
+        return FixedLossScale(check_positive_number("loss_scale", loss_scale))
     if isinstance(loss_scale, dict):
         return deserialize_loss_scale(loss_scale)
     raise TypeError(

@@ -124,6 +124,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_scale = max_scale
 
     def build(self, var_list):
+        if not var_list:
+            # Keras' .h5 loader builds with a model's own (empty) variable
+            # list; wait for the real one.
+            return
         super().build(var_list)
         self.skipped_step_counter = self.add_variable(
             shape=(),
@@ -132,6 +136,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="none",
             name="skipped_steps",
         )
+        tf_keras_optimizer_state.apply_pending_values(self, self)
 
     def load_own_variables(self, store):
         """Loads this optimizer's state, also from a tf.keras 2 file.
@@ -150,6 +155,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def set_weights(self, weights):
         """Sets all optimizer values, own and inner, or a tf.keras 2 set."""
         weights = list(weights)
+        if not self.built:
+            tf_keras_optimizer_state.keep_pending_values(
+                self, weights, self.inner_optimizer.iterations
+            )
+            return
         if len(weights) == len(self.variables):
             for variable, weight in zip(self.variables, weights, strict=True):
                 variable.assign(weight)

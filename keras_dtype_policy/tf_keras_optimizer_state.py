@@ -60,28 +60,63 @@ def teach_tf_keras_layout(optimizer):
 
     Its `load_own_variables` (used by `keras.saving.load_model` for .keras
     files) and `set_weights` (used for .h5 files) accept the tf.keras 2
-    layout besides their own; every other input goes to the class' own
-    method, unchanged. Without this, Keras 3 skips such state with a
-    warning, or fails to set it.
+    layout besides their own. Keras' .h5 loader builds the optimizer with
+    the model's own variable list, which is empty for Sequential and
+    Functional models, and then sets its weights: an empty build is put off
+    until the optimizer is built for real, and the weights with it (the
+    iteration count is set at once). Every other input goes to the class'
+    own methods, unchanged.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer`.
     """
+    if getattr(optimizer, "_reads_tf_keras_layout", False):
+        return
+    optimizer._reads_tf_keras_layout = True
     optimizer_class = type(optimizer)
-    if not getattr(optimizer, "_reads_tf_keras_layout", False):
-        optimizer._reads_tf_keras_layout = True
 
-        def load_own_variables(self, store):
-            values = store_values(store)
-            if not (self.built and assign_optimizer_values(self, values)):
-                optimizer_class.load_own_variables(self, store)
+    def build(self, var_list):
+        if not var_list:
+            return
+        optimizer_class.build(self, var_list)
+        apply_pending_values(self, self)
 
-        def set_weights(self, weights):
-            weights = list(weights)
-            if not (self.built and assign_optimizer_values(self, weights)):
-                optimizer_class.set_weights(self, weights)
+    def load_own_variables(self, store):
+        values = store_values(store)
+        if not (self.built and assign_optimizer_values(self, values)):
+            optimizer_class.load_own_variables(self, store)
 
-        optimizer.load_own_variables = types.MethodType(
-            load_own_variables, optimizer
-        )
-        optimizer.set_weights = types.MethodType(set_weights, optimizer)
+    def set_weights(self, weights):
+        weights = list(weights)
+        if not self.built:
+            keep_pending_values(self, weights)
+        elif not assign_optimizer_values(self, weights):
+            optimizer_class.set_weights(self, weights)
+
+    for method in (build, load_own_variables, set_weights):
+        setattr(optimizer, method.__name__, types.MethodType(method, optimizer))
+
+
+def keep_pending_values(optimizer, values, iterations=None):
+    """Keeps values for when the optimizer is built; sets iterations now.
+
+    Args:
+        optimizer: The optimizer that will receive the values.
+        values: The saved arrays.
+        iterations: The variable holding the step count; defaults to
+            `optimizer.iterations`.
+    """
+    optimizer._pending_saved_values = [np.array(v) for v in values]
+    first = np.asarray(values[0]) if values else None
+    if first is not None and first.shape == () and first.dtype.kind in "iu":
+        if iterations is None:
+            iterations = optimizer.iterations
+        iterations.assign(first)
+
+
+def apply_pending_values(holder, optimizer):
+    """Assigns the values `holder` kept, if any, to the built `optimizer`."""
+    pending = getattr(holder, "_pending_saved_values", None)
+    if pending is not None:
+        holder._pending_saved_values = None
+        optimizer.set_weights(pending)
