@@ -254,3 +254,24 @@ def test_legacy_dtype_forms_load_through_load_model(form_id, suffix, tmp_path):
         rtol=1e-2,
         atol=1e-2,
     )
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+@pytest.mark.parametrize("form_id", ["null", "infer_string"])
+def test_null_and_infer_forms_load_through_load_model(
+    form_id, suffix, tmp_path
+):
+    dtype = _form(form_id)["config"]["dtype"]
+    path = tmp_path / f"model{suffix}"
+    writer = (
+        _keras_file_with_dtype if suffix == ".keras" else _h5_file_with_dtype
+    )
+    writer(dtype, path)
+    kdp.set_dtype_policy("mixed_bfloat16")
+    loaded = keras.saving.load_model(path)
+    layer = loaded.get_layer("dense")
+    # A file Keras 3 wrote: null means the global policy at load time, as in
+    # Keras; "_infer" takes the dtype of the first input (float32 here).
+    expected = "bfloat16" if dtype is None else "float32"
+    assert dtype_of(loaded(np.ones((2, 5), "float32"))) == expected
+    assert layer.compute_dtype == expected
