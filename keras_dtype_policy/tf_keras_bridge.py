@@ -4,7 +4,7 @@ import json
 
 import keras
 
-from keras_dtype_policy import tf_keras_configs
+from keras_dtype_policy import config_translation
 
 
 def model_from_json(json_string, custom_objects=None):
@@ -38,7 +38,7 @@ def model_from_json(json_string, custom_objects=None):
             "`json_string` must hold a model config with a 'class_name'. "
             f"Received: json_string={json_string[:80]!r}"
         )
-    config = tf_keras_configs.translate_model_config(config)
+    config = config_translation.translate_model_config(config)
     return keras.models.model_from_json(
         json.dumps(config), custom_objects=custom_objects
     )
@@ -48,7 +48,7 @@ def make_model_from_config_json(original):
     """Wraps saving_lib's `_model_from_config` (the .keras loader)."""
 
     def model_from_config_json(config_json, *args, **kwargs):
-        config = tf_keras_configs.translate_model_config(
+        config = config_translation.translate_model_config(
             json.loads(config_json)
         )
         return original(json.dumps(config), *args, **kwargs)
@@ -62,7 +62,7 @@ def make_model_from_config(original):
 
     def model_from_config(config, custom_objects=None):
         if isinstance(config, dict):
-            config = tf_keras_configs.translate_model_config(config)
+            config = config_translation.translate_model_config(config)
         return original(config, custom_objects=custom_objects)
 
     model_from_config.__wrapped__ = original
@@ -74,7 +74,7 @@ def make_compile_args_from_training_config(original):
 
     def compile_args_from_training_config(training_config, custom_objects=None):
         if isinstance(training_config, dict):
-            training_config = tf_keras_configs.translate_compile_config(
+            training_config = config_translation.translate_compile_config(
                 training_config
             )
         return original(training_config, custom_objects=custom_objects)

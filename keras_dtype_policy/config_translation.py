@@ -1,7 +1,8 @@
-"""Rewriting model configs that tf.keras 2 wrote into Keras 3's forms.
+"""Rewriting saved model configs into forms every Keras 3 backend reads.
 
-Keras 3 reads most of a tf.keras 2 model config as it is. What it cannot
-read, this rewrites, and nothing else:
+Keras 3 reads most of a tf.keras 2 model config as it is, and a Keras 3
+config from any backend. What it cannot read, this rewrites, and nothing
+else:
 
 - policies: tf.keras' `Policy`/`PolicyV1` dicts become the policy name (a
   loss scale is dropped, with a warning), and `None`, which tf.keras wrote
@@ -10,12 +11,17 @@ read, this rewrites, and nothing else:
 - tf.keras' `LossScaleOptimizer` (`LossScaleOptimizerV3`), which becomes
   this package's `LossScaleOptimizer`, and optimizer keys Keras 3 rejects;
 - layer arguments Keras 3 removed (`time_major`), and one-element `axis`
-  lists.
+  lists;
+- optimizers saved under a backend's own module (a model compiled on torch
+  saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
+  backend only and would import it: they become the backend-neutral
+  `keras.optimizers` class.
 
 The rewrite never imports or calls anything a config names.
 """
 
 import copy
+import re
 
 from keras_dtype_policy import legacy_policy_configs
 from keras_dtype_policy.inner_optimizer_config import without_tf_keras_keys
@@ -28,6 +34,9 @@ _MODEL_CLASSES = {
     "Model": ("keras.src.models.functional", "Functional"),
 }
 _LOSS_SCALE_OPTIMIZERS = ("LossScaleOptimizerV3", "LossScaleOptimizer")
+_BACKEND_OPTIMIZER_MODULE = re.compile(
+    r"keras\.src\.backend\.(jax|numpy|openvino|tensorflow|torch)\.optimizers\."
+)
 _REMOVED_LAYER_ARGUMENTS = ("time_major",)
 # Loss and metric short names that Keras 3's loaders cannot deserialize.
 _LOSS_ALIASES = {
@@ -96,6 +105,9 @@ def translate_optimizer_config(config):
         }
     class_name = config.get("class_name")
     inner = config.get("config")
+    if _is_backend_optimizer(config):
+        config["module"] = "keras.optimizers"
+        config["registered_name"] = None
     if isinstance(class_name, str) and isinstance(inner, dict):
         if "is_legacy_optimizer" in inner or "jit_compile" in inner:
             # tf.keras 2.11+ optimizers; "Custom>Adam" in .h5 files.
@@ -127,6 +139,13 @@ def _unalias_losses(value):
     if isinstance(value, dict) and "class_name" not in value:
         return {k: _unalias_losses(v) for k, v in value.items()}
     return value
+
+
+def _is_backend_optimizer(config):
+    module = config.get("module")
+    return isinstance(module, str) and bool(
+        _BACKEND_OPTIMIZER_MODULE.match(module)
+    )
 
 
 def _is_tf_keras_loss_scale_optimizer(config):
@@ -182,6 +201,7 @@ def _translate_object(node, from_tf_keras):
     if (
         class_name in _LOSS_SCALE_OPTIMIZERS
         or "is_legacy_optimizer" in node["config"]
+        or _is_backend_optimizer(node)
     ):
         return translate_optimizer_config(node)
     inner = node["config"]
