@@ -4,6 +4,7 @@ import contextlib
 
 import keras
 
+from keras_dtype_policy import hardware
 from keras_dtype_policy.policy import DTypePolicy
 
 
@@ -48,7 +49,9 @@ def set_dtype_policy(policy):
     <DTypePolicy "mixed_float16">
     >>> keras_dtype_policy.set_dtype_policy("float32")
     """
-    keras.config.set_dtype_policy(as_policy(policy))
+    policy = as_policy(policy)
+    hardware.warn_if_float16_is_slow(policy)
+    keras.config.set_dtype_policy(policy)
 
 
 def dtype_policy():
@@ -77,6 +80,7 @@ def policy_scope(policy):
     'bfloat16'
     """
     new_policy = as_policy(policy)
+    hardware.warn_if_float16_is_slow(new_policy, stacklevel=4)
     previous_policy = keras.config.dtype_policy()
     keras.config.set_dtype_policy(new_policy)
     try:

@@ -8,6 +8,7 @@ import warnings
 
 import keras
 
+from keras_dtype_policy import hardware
 from keras_dtype_policy import policy_names
 from keras_dtype_policy.loss_scale import get_loss_scale
 from keras_dtype_policy.loss_scale import serialize_loss_scale
@@ -195,6 +196,7 @@ def set_policy(policy):
             "`policy` must be a policy name, a DTypePolicy or None. "
             f"Received: policy={policy!r} (of type {type(policy).__name__})"
         )
+    hardware.warn_if_float16_is_slow(policy)
     keras.config.set_dtype_policy(policy)
 
 

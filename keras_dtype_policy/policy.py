@@ -71,6 +71,16 @@ class DTypePolicy(keras.DTypePolicy):
             )
         return _convert_leaf(x, autocast, dtype)
 
+    @classmethod
+    def from_config(cls, config):
+        """Builds a policy from `{"name": ...}`, the output of `get_config`."""
+        if not isinstance(config, dict) or set(config) != {"name"}:
+            raise ValueError(
+                f"A {cls.__name__} config must be a dict with a 'name' key "
+                f"only. Received: config={config!r}"
+            )
+        return cls(**config)
+
     def __eq__(self, other):
         if not isinstance(other, keras.DTypePolicy):
             return NotImplemented

@@ -50,6 +50,11 @@ def is_package_policy_config(config):
 def make_deserialize(original_deserialize):
     """Returns `dtype_policies.deserialize` that also reads tf.keras forms.
 
+    Every failure becomes one `ValueError` that shows the config, instead of
+    the mix of errors Keras raises (or the class name it returns for an
+    unknown class, which fails later with `'str' object has no attribute
+    'quantization_mode'`).
+
     Args:
         original_deserialize: Keras' own `dtype_policies.deserialize`.
 
@@ -60,7 +65,20 @@ def make_deserialize(original_deserialize):
     def deserialize(config, custom_objects=None):
         if legacy_policy_configs.is_legacy_policy_config(config):
             return legacy_policy_configs.policy_from_legacy_config(config)
-        return original_deserialize(config, custom_objects=custom_objects)
+        try:
+            policy = original_deserialize(config, custom_objects=custom_objects)
+        except Exception as error:
+            raise ValueError(
+                f"Cannot deserialize a dtype policy: {error} "
+                f"Received: dtype={config!r}"
+            ) from error
+        if not isinstance(policy, keras.DTypePolicy):
+            # Keras returns the class name for a class it does not know.
+            raise ValueError(
+                "Cannot deserialize a dtype policy: the config names no "
+                f"known policy class. Received: dtype={config!r}"
+            )
+        return policy
 
     deserialize.__doc__ = original_deserialize.__doc__
     deserialize.__wrapped__ = original_deserialize
@@ -91,7 +109,14 @@ def make_get(original_get):
             or identifier in policy_names.REMOVED_POLICIES
         ):
             return legacy_policy_configs.policy_for_name(identifier)
-        return original_get(identifier)
+        try:
+            return original_get(identifier)
+        except (TypeError, ValueError) as error:
+            if "Received: dtype=" in str(error):
+                raise
+            raise type(error)(
+                f"{error} Received: dtype={identifier!r}"
+            ) from error
 
     get.__doc__ = original_get.__doc__
     get.__wrapped__ = original_get

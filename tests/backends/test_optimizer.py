@@ -6,36 +6,13 @@ import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import FINITE
+from testing import INF
+from testing import NAN
+from testing import reference_trajectory
 from testing import to_numpy
 
 from keras_dtype_policy import LossScaleOptimizer
-
-FINITE, NAN, INF = "finite", "nan", "inf"
-
-
-def reference_trajectory(
-    kinds,
-    initial_scale,
-    dynamic=True,
-    growth_steps=2000,
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    min_scale=1.0,
-    max_scale=2.0**24,
-):
-    """The documented rule, step by step: [(scale, counter, skipped)]."""
-    scale, counter, skipped, states = initial_scale, 0, 0, []
-    for kind in kinds:
-        if kind == FINITE:
-            counter += 1
-            if dynamic and counter >= growth_steps:
-                scale, counter = min(scale * growth_factor, max_scale), 0
-        else:
-            skipped, counter = skipped + 1, 0
-            if dynamic:
-                scale = max(scale * backoff_factor, min_scale)
-        states.append((scale, counter, skipped))
-    return states
 
 
 def gradient(kind, scale):

@@ -12,6 +12,9 @@ BACKEND = keras.backend.backend()
 
 MIXED_POLICIES = ("mixed_float16", "mixed_bfloat16")
 
+# Kinds of training step, for fault injection.
+FINITE, NAN, INF = "finite", "nan", "inf"
+
 
 def to_numpy(x):
     """Returns `x` as a NumPy array, whatever backend made it."""
@@ -102,3 +105,28 @@ def check_custom_loop_result(namespace, printed):
     predictions = to_numpy(model(x))
     assert np.all(np.isfinite(predictions))
     assert float(np.mean((predictions - y) ** 2)) < 0.2 * baseline
+
+
+def reference_trajectory(
+    kinds,
+    initial_scale,
+    dynamic=True,
+    growth_steps=2000,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    min_scale=1.0,
+    max_scale=2.0**24,
+):
+    """The documented rule, step by step: [(scale, counter, skipped)]."""
+    scale, counter, skipped, states = initial_scale, 0, 0, []
+    for kind in kinds:
+        if kind == FINITE:
+            counter += 1
+            if dynamic and counter >= growth_steps:
+                scale, counter = min(scale * growth_factor, max_scale), 0
+        else:
+            skipped, counter = skipped + 1, 0
+            if dynamic:
+                scale = max(scale * backoff_factor, min_scale)
+        states.append((scale, counter, skipped))
+    return states

@@ -1,0 +1,259 @@
+"""`LossScaleMonitor`: the loss scale in the logs, and a watch for stalls."""
+
+import importlib.util
+import os
+import pathlib
+import warnings
+
+import keras
+
+from keras_dtype_policy.optimizer import LossScaleOptimizer
+from keras_dtype_policy.validation import check_positive_int
+
+TRAJECTORY_KEYS = ("step", "epoch", "loss_scale", "skipped", "loss")
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Logs the loss scale and the skipped steps; stops a stalled training.
+
+    At the end of every epoch it adds `loss_scale` (the current scale) and
+    `skipped_steps` (the optimizer's count of steps skipped for NaN or Inf
+    gradients, since it was created) to the epoch's logs, so they land in
+    the `History` that `fit` returns and, through
+    `keras.callbacks.TensorBoard`, in TensorBoard. Put this callback before
+    `TensorBoard` (and any other callback that reads the logs) in the
+    `callbacks` list: Keras calls them in that order.
+
+    A scale stuck at its floor skips every step, and training goes on
+    without learning and without a word. With `max_consecutive_skips=N` this
+    callback stops training (`model.stop_training = True`) after N skipped
+    steps in a row and says why.
+
+    It works with this package's `LossScaleOptimizer` and with Keras' own
+    `keras.optimizers.LossScaleOptimizer`, which does not count skipped
+    steps: with it, the logs hold `loss_scale` only, and a step is taken
+    as skipped when the optimizer's `iterations` did not advance. With any
+    other optimizer it warns once and logs nothing.
+
+    Per-step reading (`record_steps`, `max_consecutive_skips`, `plot_path`)
+    reads the optimizer after every step. On TensorFlow and PyTorch that is
+    a read of two variables. On JAX the training state lives outside the
+    model's variables during an epoch: reading it makes Keras copy the
+    state back into the variables after each step (as every callback that
+    reads `self.model` does), which costs a little time per step. Without
+    per-step reading the callback reads the state once per epoch, after
+    Keras' own copy, and leaves Keras free to run the other callbacks'
+    per-step work asynchronously. With `steps_per_execution` above 1 the
+    per-step reads happen once per execution.
+
+    Args:
+        record_steps: Whether to record, after every step, the loss scale,
+            whether the step was skipped, and the loss, in `trajectory`.
+        max_consecutive_skips: None (never stop), or a number of skipped
+            steps in a row after which training stops.
+        plot_path: None, or the path of a PNG file to write at the end of
+            training: the loss scale (with the skipped steps marked) and
+            the loss over the steps. Needs matplotlib (the `plot` extra)
+            and implies `record_steps`.
+        verbose: 1 prints why training was stopped; 0 prints nothing.
+
+    Attributes:
+        trajectory: A dict of lists, one entry per recorded step (or per
+            execution): `step` (counted from 1 in each `fit`), `epoch`
+            (from 1), `loss_scale` (after the step), `skipped` (bool) and
+            `loss` (Keras' running mean over the epoch so far).
+        stop_reason: None, or the message that explains why this callback
+            stopped training.
+
+    Example:
+
+    >>> monitor = keras_dtype_policy.LossScaleMonitor(max_consecutive_skips=50)
+    >>> history = model.fit(x, y, epochs=3, callbacks=[monitor])
+    >>> history.history["loss_scale"], history.history["skipped_steps"]
+    ([32768.0, 32768.0, 16384.0], [0, 0, 1])
+    """
+
+    def __init__(
+        self,
+        record_steps=False,
+        max_consecutive_skips=None,
+        plot_path=None,
+        verbose=1,
+    ):
+        super().__init__()
+        if not isinstance(record_steps, bool):
+            raise TypeError(
+                "`record_steps` must be True or False. "
+                f"Received: record_steps={record_steps!r} "
+                f"(of type {type(record_steps).__name__})"
+            )
+        if max_consecutive_skips is not None:
+            max_consecutive_skips = check_positive_int(
+                "max_consecutive_skips", max_consecutive_skips
+            )
+        if plot_path is not None:
+            plot_path = _check_plot_path(plot_path)
+        if verbose not in (0, 1) or isinstance(verbose, float):
+            raise ValueError(
+                f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
+            )
+        self.record_steps = record_steps or plot_path is not None
+        self.max_consecutive_skips = max_consecutive_skips
+        self.plot_path = plot_path
+        self.verbose = int(verbose)
+        self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
+        self.stop_reason = None
+        self._optimizer = None
+        if self.record_steps or max_consecutive_skips is not None:
+            # Defined per instance, so a monitor that reads once per epoch
+            # leaves Keras' own `on_train_batch_end` in place, which lets
+            # Keras dispatch the other callbacks' batch work asynchronously.
+            self.on_train_batch_end = self._after_steps
+
+    def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
+        self.stop_reason = None
+        self._steps_done = 0
+        self._epoch = 0
+        self._in_a_row = 0
+        self._first_step = 0
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self._optimizer = None
+            warnings.warn(
+                "LossScaleMonitor has nothing to monitor: the model's "
+                f"optimizer ({type(optimizer).__name__}) does not scale the "
+                "loss. Compile the model under a float16 policy, or with a "
+                "keras_dtype_policy.LossScaleOptimizer.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        self._optimizer = optimizer
+        _, self._iterations, self._skipped = _read_state(optimizer)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch + 1
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._first_step = batch
+
+    def _after_steps(self, batch, logs=None):
+        """Reads the state after a step (or an execution of several)."""
+        steps = batch - self._first_step + 1
+        self._steps_done += steps
+        loss = (logs or {}).get("loss")
+        loss = None if loss is None else float(loss)
+        if self._optimizer is None:
+            self._record(None, False, loss)
+            return
+        # On JAX, reading `self.model` copies the training state into the
+        # model's variables, the optimizer's among them.
+        scale, iterations, skipped = _read_state(self.model.optimizer)
+        if skipped is None:
+            skipped_now = steps - (iterations - self._iterations)
+        else:
+            skipped_now = skipped - self._skipped
+        self._iterations, self._skipped = iterations, skipped
+        self._record(scale, skipped_now > 0, loss)
+        if skipped_now >= steps:
+            self._in_a_row += steps
+        else:
+            # Some step of the execution was applied; if several steps ran
+            # at once their order is unknown, so the count starts again.
+            self._in_a_row = 0
+        limit = self.max_consecutive_skips
+        if limit is not None and self._in_a_row >= limit:
+            self._stop(scale)
+
+    def _record(self, scale, skipped, loss):
+        if not self.record_steps:
+            return
+        values = (self._steps_done, self._epoch, scale, skipped, loss)
+        for key, value in zip(TRAJECTORY_KEYS, values, strict=True):
+            self.trajectory[key].append(value)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._optimizer is None or logs is None:
+            return
+        scale, _, skipped = _read_state(self.model.optimizer)
+        logs["loss_scale"] = scale
+        if skipped is not None:
+            logs["skipped_steps"] = skipped
+
+    def on_train_end(self, logs=None):
+        if self.plot_path is not None:
+            from keras_dtype_policy import plots
+
+            steps = self.trajectory["step"]
+            loss_scale = None
+            if self._optimizer is not None:
+                loss_scale = (
+                    steps,
+                    self.trajectory["loss_scale"],
+                    self.trajectory["skipped"],
+                )
+            plots.write_training_plot(
+                self.plot_path,
+                losses={"loss": (steps, self.trajectory["loss"])},
+                loss_scale=loss_scale,
+                title=f"{self.model.name}: loss scale and loss per step",
+            )
+
+    def _stop(self, scale):
+        optimizer = self._optimizer
+        floor = getattr(optimizer, "min_scale", None)
+        if floor is not None and scale <= floor:
+            where = (
+                f"the loss scale is {scale:g}, its floor (min_scale="
+                f"{floor:g}): lowering it further cannot help"
+            )
+        else:
+            where = f"the loss scale is now {scale:g}"
+        self.stop_reason = (
+            f"LossScaleMonitor stopped training in epoch {self._epoch} after "
+            f"{self._in_a_row} steps in a row were skipped for NaN or Inf "
+            f"gradients; {where}. The model itself produces non-finite "
+            "values: check the inputs and the loss for NaN or Inf, lower "
+            "the learning rate, or compute the failing layers in float32 "
+            '(dtype="float32").'
+        )
+        self.model.stop_training = True
+        if self.verbose:
+            print(self.stop_reason, flush=True)
+
+
+def _read_state(optimizer):
+    """Returns a loss-scale optimizer's scale, iterations and skipped steps.
+
+    The skipped count is None for an optimizer that does not keep one
+    (Keras' own).
+    """
+    iterations = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer.loss_scale, iterations, optimizer.skipped_steps
+    scale = getattr(optimizer, "dynamic_scale", None)
+    if scale is None:  # not built yet
+        return float(optimizer.initial_scale), iterations, None
+    return float(keras.ops.convert_to_numpy(scale)), iterations, None
+
+
+def _check_plot_path(plot_path):
+    if not isinstance(plot_path, (str, os.PathLike)):
+        raise TypeError(
+            "`plot_path` must be a path (a string or a pathlib.Path) or "
+            f"None. Received: plot_path={plot_path!r} "
+            f"(of type {type(plot_path).__name__})"
+        )
+    path = pathlib.Path(plot_path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(
+            "`plot_path` must name a .png file. "
+            f"Received: plot_path={str(plot_path)!r}"
+        )
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(
+            "`plot_path` needs matplotlib. Install it with: "
+            "pip install 'keras_dtype_policy[plot]'"
+        )
+    return path

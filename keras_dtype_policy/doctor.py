@@ -1,0 +1,135 @@
+"""The `doctor` report: the backend, its devices, and the policy to use."""
+
+import importlib.metadata
+
+import keras
+
+from keras_dtype_policy import hardware
+from keras_dtype_policy.tables import format_table
+
+_BACKEND_DISTRIBUTIONS = {
+    "jax": ("jax", "jaxlib"),
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tf-nightly"),
+    "torch": ("torch",),
+}
+
+
+def build_report():
+    """Describes the backend, its devices and the policy they suit.
+
+    Returns:
+        A JSON-serializable dict: `backend`, `backend_version`,
+        `keras_version`, `devices` (each with its float16 and bfloat16
+        verdicts), `recommended_policy`, `reason`, `demo_policy` and
+        `notes`.
+
+    Raises:
+        RuntimeError: if the backend cannot list its devices.
+    """
+    backend = keras.backend.backend()
+    devices = hardware.list_devices(backend)
+    policy, reason = hardware.recommend_policy(devices, backend)
+    computing = hardware.compute_devices(devices)
+    rows = []
+    for device in devices:
+        float16 = hardware.float16_verdict(device)
+        bfloat16 = hardware.bfloat16_verdict(device)
+        rows.append(
+            {
+                "name": device.name,
+                "kind": device.kind,
+                "description": device.description,
+                "compute_capability": None
+                if device.compute_capability is None
+                else ".".join(map(str, device.compute_capability)),
+                "cpu_flags": None
+                if device.cpu_flags is None
+                else sorted(device.cpu_flags),
+                "computes": device in computing,
+                "float16": {"speed": float16.speed, "why": float16.reason},
+                "bfloat16": {"speed": bfloat16.speed, "why": bfloat16.reason},
+            }
+        )
+    return {
+        "backend": backend,
+        "backend_version": backend_version(backend),
+        "keras_version": keras.__version__,
+        "devices": rows,
+        "recommended_policy": policy,
+        "reason": reason,
+        "demo_policy": hardware.demo_policy(devices),
+        "notes": _notes(backend, computing),
+    }
+
+
+def backend_version(backend):
+    """Returns the installed version of the backend's library, or None."""
+    for distribution in _BACKEND_DISTRIBUTIONS.get(backend, ()):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def format_report(report):
+    """Returns the lines that `doctor` prints for people."""
+    version = report["backend_version"] or "version unknown"
+    lines = [
+        f"backend: {report['backend']} {version} "
+        f"(keras {report['keras_version']})",
+        "",
+    ]
+    rows = []
+    for device in report["devices"]:
+        description = device["description"] or "-"
+        if device["compute_capability"]:
+            description += f" (compute capability {device['compute_capability']})"
+        rows.append(
+            (
+                device["name"] + ("" if device["computes"] else " (idle)"),
+                device["kind"],
+                description,
+                device["float16"]["speed"],
+                device["bfloat16"]["speed"],
+            )
+        )
+    lines += format_table(
+        ("device", "kind", "model", "float16", "bfloat16"), rows
+    )
+    lines.append("")
+    for device in report["devices"]:
+        for dtype in ("float16", "bfloat16"):
+            verdict = device[dtype]
+            lines.append(
+                f"{dtype} on {device['name']}: {verdict['speed']}: "
+                f"{verdict['why']}"
+            )
+        if device["cpu_flags"] is not None:
+            flags = ", ".join(device["cpu_flags"]) or "none of interest"
+            lines.append(f"CPU flags of interest on {device['name']}: {flags}")
+    lines += [
+        "",
+        f"recommended policy: {report['recommended_policy']}",
+        f"  why: {report['reason']}",
+    ]
+    if report["notes"]:
+        lines.append("")
+        lines += [f"note: {note}" for note in report["notes"]]
+    return lines
+
+
+def _notes(backend, computing):
+    notes = []
+    on_cpu = all(device.kind == "cpu" for device in computing)
+    if on_cpu and backend == "torch":
+        notes.append(
+            "torch's float16 matmul on a CPU is pathologically slow; Keras' "
+            "torch backend computes it in float32 instead"
+        )
+    if on_cpu:
+        notes.append(
+            "mixed_float16 on a CPU trains correctly (with loss scaling), "
+            "only not faster: useful to test a GPU setup on a laptop"
+        )
+    return notes

@@ -1,0 +1,459 @@
+"""`migrate`: a tf.keras 2 model file rewritten as a Keras 3 `.keras` file.
+
+The model is loaded through this package's translation of tf.keras 2
+configs and saved again by Keras 3, weights and (for a compiled model) the
+optimizer and its state included. What the translation changed is listed by
+comparing the config read from the file with
+`config_translation.translate_model_config` (and `translate_compile_config`
+for the training config of `.h5` files), object by object.
+"""
+
+import dataclasses
+import os
+import pathlib
+import tempfile
+import warnings
+
+import keras
+import numpy as np
+
+from keras_dtype_policy import config_translation
+from keras_dtype_policy import model_files
+from keras_dtype_policy.loss_scale import get_loss_scale
+from keras_dtype_policy.model_files import ModelFileError
+from keras_dtype_policy.model_report import sublayers
+
+_MISSING = object()
+_CLASS_KEYS = ("class_name", "module", "registered_name")
+_COMPILE_KEYS = ("compile_config", "training_config")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_config")
+
+
+@dataclasses.dataclass
+class Change:
+    """One rewrite: what it touched (`subject`) and how (`text`)."""
+
+    subject: str
+    text: str
+
+    def __str__(self):
+        return f"{self.subject}: {self.text}"
+
+
+@dataclasses.dataclass
+class Migration:
+    """The outcome of `migrate`.
+
+    Attributes:
+        source: The `ModelFile` migrated.
+        target: The `.keras` file written.
+        changes: The `Change`s the translation made, in config order.
+        dropped_loss_scales: One line per loss scale that a tf.keras policy
+            carried and Keras 3 policies cannot.
+        notes: Other things worth knowing (what tf.keras files never held,
+            warnings from loading).
+        weights: The number of weight arrays written and checked.
+        optimizer_values: The number of optimizer values written and
+            checked (0 for an uncompiled model).
+    """
+
+    source: model_files.ModelFile
+    target: pathlib.Path
+    changes: list
+    dropped_loss_scales: list
+    notes: list
+    weights: int
+    optimizer_values: int
+
+
+def migrate(old, new, overwrite=False):
+    """Rewrites the model file `old` as the Keras 3 `.keras` file `new`.
+
+    Args:
+        old: A `.keras` or `.h5` model file, as tf.keras 2 (or Keras 3)
+            saved it.
+        new: The `.keras` file to write.
+        overwrite: Whether an existing `new` may be replaced.
+
+    Returns:
+        A `Migration`.
+
+    Raises:
+        ModelFileError: if `old` is no model, `new` is not a free `.keras`
+            path, or the written file does not give back the same weights.
+    """
+    new = pathlib.Path(new)
+    if new.suffix != ".keras":
+        raise ModelFileError(f"{new}: the new file's name must end in .keras")
+    source = model_files.read_model_file(old)
+    if new.exists():
+        if new.resolve() == source.path.resolve():
+            raise ModelFileError(f"{new}: is the file being migrated")
+        if not overwrite:
+            raise ModelFileError(
+                f"{new}: exists already (use --force to replace it)"
+            )
+    changes = config_changes(source)
+    dropped = dropped_loss_scales(source.model_config)
+    model, messages = model_files.load_model(source)
+    changes = [_with_loaded_policy(change, model) for change in changes]
+    notes = [m for m in messages if "loss scale" not in m]
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        source.from_tf_keras
+        and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        and getattr(optimizer, "dynamic", True)
+    ):
+        notes.append(
+            "tf.keras 2 files hold no loss-scale state: the dynamic scale "
+            f"restarts at initial_scale {optimizer.initial_scale:g}; the "
+            "inner optimizer's state "
+            f"({int(keras.ops.convert_to_numpy(optimizer.iterations))} "
+            "iterations) is kept"
+        )
+    _save(model, new)
+    weights, optimizer_values = verify(model, new)
+    return Migration(
+        source=source,
+        target=new,
+        changes=changes,
+        dropped_loss_scales=dropped,
+        notes=notes,
+        weights=weights,
+        optimizer_values=optimizer_values,
+    )
+
+
+def config_changes(source):
+    """Lists what the translation changes in a file's configs.
+
+    Args:
+        source: A `ModelFile`.
+
+    Returns:
+        A list of `Change`s.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dropped loss scales: listed apart
+        translated = config_translation.translate_model_config(
+            source.model_config
+        )
+        changes = list(_diff(source.model_config, translated, "model", ()))
+        if source.format == "h5" and source.compile_config:
+            translated_compile = config_translation.translate_compile_config(
+                source.compile_config
+            )
+            changes += _diff(
+                source.compile_config, translated_compile, "compile", ()
+            )
+    return changes
+
+
+def dropped_loss_scales(config):
+    """Lists the loss scales that tf.keras policies in `config` carried."""
+    dropped = []
+
+    def visit(node, path):
+        inner = node.get("config") if isinstance(node, dict) else None
+        if not isinstance(inner, dict):
+            return
+        dtype = inner.get("dtype")
+        if isinstance(dtype, dict):
+            scale = (dtype.get("config") or {}).get("loss_scale")
+            if scale is not None:
+                dropped.append(
+                    f"{path or 'model'}: {_describe_dtype(dtype)}: "
+                    f"{_describe_loss_scale(scale)}"
+                )
+        for layer in inner.get("layers") or ():
+            name = _layer_name(layer)
+            if name is not None:
+                visit(layer, f"{path}/{name}" if path else name)
+
+    visit(config, "")
+    return dropped
+
+
+def verify(model, path):
+    """Loads `path` and checks it holds `model`'s weights and optimizer.
+
+    Returns:
+        The numbers of weights and of optimizer values compared.
+
+    Raises:
+        ModelFileError: if anything differs.
+    """
+    written = model_files.read_model_file(path)
+    reloaded, _ = model_files.load_model(written)
+    pairs = [("weight", model.weights, reloaded.weights)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        pairs.append(
+            (
+                "optimizer value",
+                optimizer.variables,
+                getattr(reloaded.optimizer, "variables", []),
+            )
+        )
+    for what, expected, found in pairs:
+        if len(expected) != len(found):
+            raise ModelFileError(
+                f"{path}: holds {len(found)} {what}s instead of "
+                f"{len(expected)}; the migration is incomplete"
+            )
+        for a, b in zip(expected, found, strict=True):
+            if not np.array_equal(
+                keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+            ):
+                raise ModelFileError(
+                    f"{path}: its {what} {b.path} differs from the "
+                    "original's; the migration is incomplete"
+                )
+    return len(model.weights), len(pairs[1][1]) if len(pairs) > 1 else 0
+
+
+def format_migration(migration):
+    """Returns the lines that `migrate` prints."""
+    source = migration.source
+    lines = [
+        f"migrated {source.path} ({source.writer}) -> {migration.target} "
+        f"(Keras {keras.__version__})",
+        "",
+        "changes:",
+    ]
+    lines += [f"  {change}" for change in migration.changes] or ["  none"]
+    lines += ["", "loss scales dropped:"]
+    lines += [f"  {line}" for line in migration.dropped_loss_scales] or [
+        "  none"
+    ]
+    if migration.notes:
+        lines += ["", "notes:"]
+        lines += [f"  - {note}" for note in migration.notes]
+    optimizer = (
+        f" and {migration.optimizer_values} optimizer values"
+        if migration.optimizer_values
+        else ""
+    )
+    lines += [
+        "",
+        f"checked: {migration.target} loads with the same "
+        f"{migration.weights} weights{optimizer}",
+    ]
+    return lines
+
+
+def _save(model, path):
+    """Saves through a temporary file, so a failure leaves no half file."""
+    handle, temporary = tempfile.mkstemp(
+        suffix=".keras", prefix=".migrating-", dir=path.parent
+    )
+    os.close(handle)
+    try:
+        model.save(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def _diff(before, after, subject, keys, prefix=""):
+    """Yields the `Change`s between two configs, object by object.
+
+    Args:
+        before: The config as read.
+        after: The config as translated.
+        subject: What the changes are about: a layer's path, `"model"`,
+            `"compile"`, `"optimizer"`...
+        keys: The keys from the subject's config down to `before`.
+        prefix: The layer path of the model whose layers are below.
+    """
+    if isinstance(before, dict) and isinstance(after, dict):
+        if _is_object(before):
+            yield from _diff_object(before, after, subject, keys, prefix)
+        else:
+            yield from _diff_dicts(before, after, subject, keys, prefix)
+    elif (
+        isinstance(before, list)
+        and isinstance(after, list)
+        and len(before) == len(after)
+    ):
+        for index, (b, a) in enumerate(zip(before, after, strict=True)):
+            yield from _diff(b, a, subject, (*keys, str(index)), prefix)
+    elif before != after or type(before) is not type(after):
+        where = ".".join(keys) if keys else "value"
+        yield Change(subject, f"{where} {_json(before)} -> {_json(after)}")
+
+
+def _diff_object(before, after, subject, keys, prefix):
+    """Diffs a serialized object: its class, then its config and the rest."""
+    if {k: before.get(k) for k in _CLASS_KEYS} != {
+        k: after.get(k) for k in _CLASS_KEYS
+    }:
+        yield Change(
+            subject, f"{_describe_class(before)} -> {_describe_class(after)}"
+        )
+    if not isinstance(after.get("config"), dict):
+        return
+    yield from _diff_dicts(
+        before["config"], after["config"], subject, keys, prefix
+    )
+    rest = [k for k in before if k not in (*_CLASS_KEYS, "config")]
+    yield from _diff_dicts(
+        {k: before[k] for k in rest},
+        {k: after[k] for k in rest if k in after},
+        subject,
+        keys,
+        prefix,
+    )
+
+
+def _diff_dicts(before, after, subject, keys, prefix):
+    removed = {k: v for k, v in before.items() if k not in after}
+    added = {k: v for k, v in after.items() if k not in before}
+    for old_key, value in list(removed.items()):
+        renamed = [k for k, v in added.items() if v == value]
+        if renamed:
+            yield Change(
+                subject,
+                f"{_join(keys, old_key)} renamed {_join(keys, renamed[0])}",
+            )
+            del removed[old_key], added[renamed[0]]
+    if removed:
+        listed = ", ".join(
+            f"{_join(keys, key)}={_json(value)}"
+            for key, value in removed.items()
+        )
+        yield Change(subject, f"removed {listed}")
+    for key, value in added.items():
+        yield Change(subject, f"added {_join(keys, key)}={_json(value)}")
+    for key in before:
+        if key not in after:
+            continue
+        b, a = before[key], after[key]
+        if key == "dtype" and not keys:
+            if b != a:
+                yield Change(
+                    subject,
+                    f"{_describe_dtype(b)} -> {_describe_new_dtype(a)}",
+                )
+        elif key == "layers" and isinstance(b, list) and isinstance(a, list):
+            yield from _diff_layers(b, a, subject, keys, prefix)
+        elif key in _COMPILE_KEYS:
+            yield from _diff(b, a, "compile", ())
+        elif key in _OPTIMIZER_KEYS and subject == "compile":
+            yield from _diff(b, a, "optimizer", ())
+        elif key == "inner_optimizer":
+            yield from _diff(b, a, f"{subject}.inner_optimizer", ())
+        else:
+            yield from _diff(b, a, subject, (*keys, key), prefix)
+
+
+def _diff_layers(before, after, subject, keys, prefix):
+    if len(before) != len(after):
+        yield Change(
+            subject, f"{_join(keys, 'layers')}: {len(before)} -> {len(after)}"
+        )
+        return
+    for b, a in zip(before, after, strict=True):
+        name = _layer_name(b)
+        if name is None:
+            yield from _diff(b, a, subject, (*keys, "layers"), prefix)
+            continue
+        path = f"{prefix}/{name}" if prefix else name
+        yield from _diff(b, a, path, (), path)
+
+
+def _layer_name(node):
+    if not isinstance(node, dict):
+        return None
+    inner = node.get("config")
+    name = inner.get("name") if isinstance(inner, dict) else None
+    return name if isinstance(name, str) else node.get("name")
+
+
+def _is_object(node):
+    return "class_name" in node and "config" in node
+
+
+def _with_loaded_policy(change, model):
+    """Names the policy class a layer really got on load, where known."""
+    marker = " -> DTypePolicy "
+    if marker not in change.text:
+        return change
+    layer = _find_layer(model, change.subject)
+    if layer is None:
+        return change
+    policy = layer.dtype_policy
+    before = change.text.split(marker)[0]
+    return Change(
+        change.subject, f'{before} -> {type(policy).__name__} "{policy.name}"'
+    )
+
+
+def _find_layer(model, path):
+    layer = model
+    for name in path.split("/"):
+        found = [child for child in sublayers(layer) if child.name == name]
+        if not found:
+            return None
+        layer = found[0]
+    return layer
+
+
+def _describe_class(node):
+    registered = node.get("registered_name")
+    class_name = node.get("class_name")
+    module = node.get("module")
+    if isinstance(registered, str) and ">" in registered:
+        return registered.replace(">", ".")
+    if module in (None, "keras", "builtins"):
+        return f"{module}.{class_name}" if module else str(class_name)
+    if module.startswith("keras.") and not module.startswith("keras.src"):
+        return f"{module}.{class_name}"
+    return f"{class_name} ({module})"
+
+
+def _describe_dtype(dtype):
+    if dtype is None:
+        return "null (tf.keras: infer from the input)"
+    if isinstance(dtype, str):
+        return f'"{dtype}"'
+    if isinstance(dtype, dict):
+        inner = dtype.get("config") or {}
+        name = inner.get("name")
+        scale = inner.get("loss_scale")
+        extra = f", loss_scale={_describe_loss_scale(scale)}" if scale else ""
+        return f"{dtype.get('class_name')}({name}{extra})"
+    return repr(dtype)
+
+
+def _describe_new_dtype(dtype):
+    if isinstance(dtype, str) and dtype in ("_infer", "infer"):
+        return f'Policy "{dtype}" (infers from the first input)'
+    if isinstance(dtype, str):
+        return f'DTypePolicy "{dtype}"'
+    return _describe_dtype(dtype)
+
+
+def _describe_loss_scale(scale):
+    try:
+        return repr(get_loss_scale(scale))
+    except (TypeError, ValueError):
+        return _json(scale)
+
+
+def _join(keys, key):
+    return ".".join((*keys, key))
+
+
+def _json(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict) and "class_name" in value:
+        return _describe_class(value)
+    return str(value)
