@@ -83,3 +83,35 @@ def test_global_policy_is_per_thread():
     thread.join()
     assert seen == {"before": "float32", "after": "float16"}
     assert kdp.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_policy_scopes_in_many_threads_leak_nothing():
+    kdp.set_dtype_policy("float32")
+    names = ["mixed_float16", "mixed_bfloat16", "float16", "bfloat16"] * 2
+    barrier = threading.Barrier(len(names))
+    seen, errors = {}, []
+
+    def worker(index, name):
+        try:
+            with kdp.policy_scope(name):
+                barrier.wait(timeout=30)  # every thread inside its scope
+                for _ in range(20):
+                    layer = keras.layers.Dense(2)
+                    assert layer.dtype_policy.name == name
+                barrier.wait(timeout=30)
+            seen[index] = kdp.dtype_policy().name
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=worker, args=(i, n))
+        for i, n in enumerate(names)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    # Each thread is back at its own default; this thread never moved.
+    assert set(seen.values()) == {"float32"}
+    assert kdp.dtype_policy().name == "float32"
