@@ -6,10 +6,6 @@ import pytest
 import keras_dtype_policy
 
 BACKEND = keras.backend.backend()
-BACKEND_ONLY_FOLDERS = ("only_jax", "only_tensorflow", "only_torch")
-
-# Backend-only tests are never collected (so never imported) elsewhere.
-collect_ignore = [f for f in BACKEND_ONLY_FOLDERS if f != f"only_{BACKEND}"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,71 @@
+"""The README's custom training loop for this backend, run as written.
+
+TensorFlow and PyTorch loops update the Keras variables as they go; the JAX
+loop is pure and carries its state, which is written back to the variables
+after each step here.
+"""
+
+import numpy as np
+from testing import BACKEND
+from testing import FINITE
+from testing import INF
+from testing import NAN
+from testing import check_custom_loop_result
+from testing import reference_trajectory
+from testing import run_readme_example
+from testing import to_numpy
+
+
+def make_step(namespace):
+    """Returns `step(x, y)` for the README loop, keeping variables current."""
+    if BACKEND != "jax":
+        return namespace["train_step"]
+    optimizer, model = namespace["optimizer"], namespace["model"]
+
+    def step(x, y):
+        _, namespace["state"] = namespace["train_step"](
+            namespace["state"], x, y
+        )
+        trainable, _, optimizer_values = namespace["state"]
+        for variable, value in zip(
+            model.trainable_variables, trainable, strict=True
+        ):
+            variable.assign(value)
+        for variable, value in zip(
+            optimizer.variables, optimizer_values, strict=True
+        ):
+            variable.assign(value)
+
+    return step
+
+
+def test_readme_custom_loop_trains():
+    namespace, printed = run_readme_example(BACKEND)
+    check_custom_loop_result(namespace, printed)
+
+
+def test_readme_custom_loop_follows_the_rule_under_faults():
+    namespace, _ = run_readme_example(BACKEND)
+    model, optimizer = namespace["model"], namespace["optimizer"]
+    step = make_step(namespace)
+    x, y = namespace["x"][:16], namespace["y"][:16]
+    schedule = [NAN, FINITE, INF, INF, FINITE, NAN, FINITE, FINITE]
+    start = (optimizer.loss_scale, optimizer.skipped_steps)
+    states = []
+    for kind in schedule:
+        batch = x.copy()
+        if kind != FINITE:
+            batch[0] = np.nan if kind == NAN else np.inf
+        weights = [to_numpy(w).copy() for w in model.trainable_weights]
+        step(batch, y)
+        states.append((optimizer.loss_scale, optimizer.dynamic_counter))
+        for old, weight in zip(weights, model.trainable_weights, strict=True):
+            new = to_numpy(weight)
+            assert np.all(np.isfinite(new))
+            if kind != FINITE:  # a skipped step leaves every weight alone
+                np.testing.assert_array_equal(old, new)
+    expected = reference_trajectory(
+        schedule, start[0], growth_steps=optimizer.dynamic_growth_steps
+    )
+    assert states == [(scale, counter) for scale, counter, _ in expected]
+    assert optimizer.skipped_steps == start[1] + 4
