@@ -261,21 +261,45 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.apply(
             unscaled_grads, trainable_variables=trainable_variables
         )
-        self._assign_next_state(finite=True)
+        self._count_finite_step()
 
     def _stateful_handle_non_finite_grads(self):
-        self._assign_next_state(finite=False)
+        # Skip the step: shrink a dynamic scale, restart the count.
+        if self.dynamic:
+            self.dynamic_scale.assign(
+                ops.maximum(
+                    ops.multiply(self.dynamic_scale, self.backoff_factor),
+                    self.min_scale,
+                )
+            )
+        self.step_counter.assign(0)
+        self.skipped_step_counter.assign_add(1)
 
-    def _assign_next_state(self, finite):
-        scale, counter, skipped = self._next_state(
-            self.dynamic_scale,
-            self.step_counter,
-            self.skipped_step_counter,
-            finite,
+    def _count_finite_step(self):
+        def grow():
+            self.dynamic_scale.assign(
+                ops.minimum(
+                    ops.multiply(self.dynamic_scale, self.growth_factor),
+                    self.max_scale,
+                )
+            )
+            self.step_counter.assign(0)
+
+        def count():
+            self.step_counter.assign_add(1)
+
+        if not self.dynamic:
+            count()
+            return
+        due = ops.greater_equal(
+            ops.add(self.step_counter, 1), self.dynamic_growth_steps
         )
-        self.dynamic_scale.assign(scale)
-        self.step_counter.assign(counter)
-        self.skipped_step_counter.assign(skipped)
+        if not is_concrete(due):
+            ops.cond(due, grow, count)
+        elif bool(due):
+            grow()
+        else:
+            count()
 
     def _unscale(self, grads, scale, variables):
         return [
@@ -286,7 +310,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
 
     def _next_state(self, scale, counter, skipped, finite):
-        """Returns the (scale, counter, skipped) that follow one step."""
+        """Returns the (scale, counter, skipped) that follow one step.
+
+        The pure form of the rule, for `stateless_apply`; the stateful path
+        does the same with fewer ops.
+        """
         scale = ops.convert_to_tensor(scale)
         counter = ops.convert_to_tensor(counter)
         skipped = ops.convert_to_tensor(skipped)

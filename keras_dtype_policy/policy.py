@@ -1,5 +1,7 @@
 """The backend-agnostic `DTypePolicy`."""
 
+import functools
+
 import keras
 import numpy as np
 
@@ -64,7 +66,7 @@ class DTypePolicy(keras.DTypePolicy):
             returned as the same object. NumPy arrays become backend tensors,
             as in Keras.
         """
-        dtype = keras.backend.standardize_dtype(dtype)
+        dtype = _standard_dtype(dtype)
         if isinstance(x, (list, tuple, dict)):
             return keras.tree.map_structure(
                 lambda leaf: _convert_leaf(leaf, autocast, dtype), x
@@ -108,7 +110,7 @@ def _kind(policy):
 
 def _convert_leaf(x, autocast, dtype):
     if keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x):
-        if autocast and _needs_cast(x.dtype, dtype):
+        if autocast and _needs_cast(_standard_dtype(x.dtype), dtype):
             return keras.ops.cast(x, dtype)
         return x
     if isinstance(x, float):
@@ -125,17 +127,30 @@ def _convert_leaf(x, autocast, dtype):
     return x
 
 
+def _standard_dtype(dtype):
+    """Keras' name of a dtype (cached: the same few dtypes recur)."""
+    try:
+        return _cached_standard_dtype(dtype)
+    except TypeError:  # an unhashable dtype object
+        return keras.backend.standardize_dtype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_standard_dtype(dtype):
+    return keras.backend.standardize_dtype(dtype)
+
+
 def _array_dtype(x):
     """Returns the Keras dtype of an array-like, or None if it has none."""
     x_dtype = getattr(x, "dtype", None)
     if x_dtype is None:
         x_dtype = np.asarray(x).dtype
     try:
-        return keras.backend.standardize_dtype(x_dtype)
+        return _standard_dtype(x_dtype)
     except (TypeError, ValueError):
         return None
 
 
 def _needs_cast(x_dtype, dtype):
-    x_dtype = keras.backend.standardize_dtype(x_dtype)
-    return x_dtype != dtype and keras.backend.is_float_dtype(x_dtype)
+    """Whether a standardized `x_dtype` is a float dtype other than `dtype`."""
+    return x_dtype != dtype and x_dtype.startswith(("float", "bfloat"))
