@@ -1,0 +1,342 @@
+"""Results as JSON and as a markdown report.
+
+Importing this module imports no backend and not Keras.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from tests.benchmarks.sizes import ARMS
+from tests.benchmarks.sizes import KERAS
+from tests.benchmarks.sizes import PLUGIN
+from tests.benchmarks.sizes import TARGETS
+
+MIB = 2**20
+# A mixed policy this many times slower than float32 in both arms is noted.
+PATHOLOGICAL = 0.1
+
+
+def write(results, directory, stem):
+    """Writes `results` as `stem.json` and `stem.md` under `directory`.
+
+    Args:
+        results: A list of per-backend results dicts (from `suite.run`), or
+            failures `{"backend": name, "error": text}`.
+        directory: The output folder, created if missing.
+        stem: The file name without its extension.
+
+    Returns:
+        The two paths written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / f"{stem}.json"
+    markdown_path = directory / f"{stem}.md"
+    _write_atomically(json_path, json.dumps(results, indent=1) + "\n")
+    _write_atomically(markdown_path, render(results))
+    return json_path, markdown_path
+
+
+def read(path):
+    """Returns the list of results stored in a JSON file from `write`."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def render(results):
+    """Returns the markdown report of a list of per-backend results."""
+    done = [r for r in results if "error" not in r]
+    lines = ["# keras_dtype_policy benchmarks", ""]
+    if done:
+        lines += _machine_section(done[0])
+    lines += _summary_section(results)
+    for result in results:
+        if "error" in result:
+            lines += [f"## {result['backend']}: failed", "", "```"]
+            lines += result["error"].rstrip().splitlines()
+            lines += ["```", ""]
+        else:
+            lines += render_backend(result)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_backend(result):
+    """Returns the markdown lines of one backend's results."""
+    name = result["backend"]
+    settings = ", ".join(
+        f"{key}={value}"
+        for key, value in result["settings"].items()
+        if key != "backend"
+    )
+    load = result["load_average"]
+    seconds = ", ".join(f"{k} {v} s" for k, v in result["seconds"].items())
+    lines = [
+        f"## {name}",
+        "",
+        f"- device: {result['device']}",
+        f"- settings: {settings}",
+        f"- thread limit: {_thread_limit(result.get('threads'))}",
+        f"- load average (1 min): {load['before']} before, "
+        f"{load.get('after')} after",
+        f"- time taken: {seconds}",
+        "",
+    ]
+    sections = (
+        ("layer_call", _layer_call_section),
+        ("loss_scaling", _loss_scaling_section),
+        ("speedup", _speedup_section),
+        ("memory", _memory_section),
+    )
+    for key, section in sections:
+        if key in result:
+            lines += section(result[key])
+    return lines
+
+
+def _machine_section(result):
+    described = result["machine"]
+    flags = described["cpu_flags"]
+    present = " ".join(f for f, on in flags.items() if on) or "none"
+    absent = " ".join(f for f, on in flags.items() if not on) or "none"
+    versions = ", ".join(f"{k} {v}" for k, v in described["versions"].items())
+    environment = (
+        ", ".join(f"{k}={v}" for k, v in described["environment"].items())
+        or "none set"
+    )
+    sizes = result["sizes"]["name"]
+    return [
+        f"Sizes: {sizes}. Date: {described['date']}. "
+        f"Commit: {described['git']}.",
+        "",
+        "| machine | |",
+        "|---|---|",
+        f"| CPU | {described['cpu']} |",
+        f"| cores | {described['cpus_usable']} usable of "
+        f"{described['cpu_count']} |",
+        f"| CPU flags present | {present} |",
+        f"| CPU flags absent | {absent} |",
+        f"| memory | {described['memory_gib']} GiB |",
+        f"| platform | {described['platform']} |",
+        f"| versions | {versions} |",
+        f"| environment | {environment} |",
+        "",
+        "Times are medians with the interquartile range in brackets; ratios "
+        "are ratios of medians, with the interquartile range of the ratios "
+        "of the repetitions taken side by side. Verdict: ok, miss (three "
+        "quarters of the paired ratios miss too) or unclear (noise).",
+        "",
+    ]
+
+
+def _summary_section(results):
+    lines = [
+        "## Summary",
+        "",
+        "Worst case of each benchmark: the ratio and its verdict.",
+        "",
+        f"| backend | device | layer call, plugin/Keras "
+        f"(<= {TARGETS['layer_call']}) | training with loss scaling, "
+        f"plugin/Keras (<= {TARGETS['loss_scaling']}) | mixed-precision "
+        f"speed-up, plugin/Keras (>= {TARGETS['speedup']}) |",
+        "|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['backend']} | failed | | | |")
+            continue
+        cells = [result["backend"], result["device"], "", "", ""]
+        if "layer_call" in result:
+            cells[2] = _worst(result["layer_call"]["rows"], max)
+        if "loss_scaling" in result:
+            cells[3] = _verdict_cell(result["loss_scaling"])
+        if "speedup" in result:
+            rows = [
+                dict(row, model=name)
+                for name, model in result["speedup"].items()
+                for row in model["rows"]
+            ]
+            cells[4] = _worst(rows, min)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _worst(rows, pick):
+    row = pick(rows, key=lambda r: r["comparison"]["ratio"])
+    where = [row.get("model"), row["policy"], row.get("input")]
+    label = ", ".join(w for w in where if w)
+    return f"{_verdict_cell(row)} ({label})"
+
+
+def _verdict_cell(row):
+    return f"{row['comparison']['ratio']:.3f} {row['verdict']}"
+
+
+def _layer_call_section(results):
+    setup = results["setup"]
+    lines = [
+        "### 1. Layer-call overhead",
+        "",
+        f"Eager calls of {setup['layer']} on a float32 input of shape "
+        f"{tuple(setup['input_shape'])}, each synchronized; "
+        f"{setup['calls_per_repeat']} calls x {setup['repeats']} "
+        "repetitions per arm, interleaved.",
+        "",
+        "| policy | input | plugin us/call | Keras us/call | plugin/Keras "
+        f"| paired IQR | target <= {setup['target']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['policy']} | {row['input']} "
+            f"| {_time(row[PLUGIN], 1e6)} | {_time(row[KERAS], 1e6)} "
+            f"| {_comparison(row)} |"
+        )
+    return lines + [""]
+
+
+def _loss_scaling_section(results):
+    setup = results["setup"]
+    classes = ", ".join(
+        f"{arm}: {setup['models'][arm]['optimizer_class']}" for arm in ARMS
+    )
+    jit = setup["models"][PLUGIN]["jit_compile"]
+    return [
+        "### 2. Training with loss scaling",
+        "",
+        f"{setup['model']} under Keras' own {setup['policy']} policy, batch "
+        f"{setup['batch_size']}; {setup['repeats']} `fit` epochs per arm, "
+        f"interleaved, timing {_steps(setup['steps_per_repeat'])} steps "
+        f"each; jit_compile={jit}. Optimizers: {classes}.",
+        "",
+        "| plugin ms/step | Keras ms/step | plugin/Keras | paired IQR "
+        f"| target <= {setup['target']} |",
+        "|---|---|---|---|---|",
+        f"| {_time(results[PLUGIN], 1e3)} | {_time(results[KERAS], 1e3)} "
+        f"| {_comparison(results)} |",
+        "",
+    ]
+
+
+def _speedup_section(results):
+    lines = ["### 3. What mixed precision buys", ""]
+    for name, model in results.items():
+        setup = model["setup"]
+        jit = next(iter(setup["models"].values()))["jit_compile"]
+        times = model["step_times"]
+        lines += [
+            f"{name}: {setup['model']}, batch {setup['batch_size']}; "
+            f"{setup['repeats']} `fit` epochs per model, six models "
+            f"interleaved; jit_compile={jit}.",
+            "",
+            "| policy | plugin ms/step | Keras ms/step | timed steps per "
+            "epoch (plugin, Keras) |",
+            "|---|---|---|---|",
+        ]
+        counts = setup["steps_per_repeat"]
+        for policy in ("float32", *(row["policy"] for row in model["rows"])):
+            plugin, keras = f"{PLUGIN}/{policy}", f"{KERAS}/{policy}"
+            lines.append(
+                f"| {policy} | {_time(times[plugin], 1e3)} "
+                f"| {_time(times[keras], 1e3)} "
+                f"| {counts[plugin]}, {counts[keras]} |"
+            )
+        lines += [
+            "",
+            "Speed-up: float32 step time over the mixed policy's, per arm.",
+            "",
+            "| policy | plugin speed-up | Keras speed-up | plugin/Keras "
+            f"| paired IQR | target >= {setup['target']} |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in model["rows"]:
+            lines.append(
+                f"| {row['policy']} | {row['speedup'][PLUGIN]:.2f}x "
+                f"| {row['speedup'][KERAS]:.2f}x | {_comparison(row)} |"
+            )
+        lines.append("")
+        slow = [
+            row["policy"]
+            for row in model["rows"]
+            if max(row["speedup"].values()) < PATHOLOGICAL
+        ]
+        if slow:
+            lines += [
+                f"Note: {', '.join(slow)} is more than "
+                f"{1 / PATHOLOGICAL:.0f} times slower than float32 in both "
+                "arms: a slow kernel of the backend on this machine, not a "
+                "cost of either arm.",
+                "",
+            ]
+    return lines
+
+
+def _memory_section(results):
+    setup = results["setup"]
+    return [
+        "### 4. Memory of training steps",
+        "",
+        f"{setup['model']}, batch {setup['batch_size']}: one step, then "
+        f"{setup['steps']} more; each configuration in "
+        f"{setup['processes_per_configuration']} fresh process(es). Baseline: "
+        "resident memory after building and compiling, before the first "
+        "step. Steady: the peak of the steps after the first, over the "
+        "baseline. MiB, medians (min-max). Device peak: the backend's own "
+        "counter of GPU memory; n/a on a CPU.",
+        "",
+        "| policy | arm | baseline RSS | peak RSS | peak - baseline "
+        "| steady peak - baseline | device peak |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {row['policy']} | {row['arm']} "
+            f"| {_mib(row['baseline_rss'])} | {_mib(row['peak_rss'])} "
+            f"| {_mib(row['peak_over_baseline'])} "
+            f"| {_mib(row['steady_peak_over_baseline'])} "
+            f"| {_mib(row['device_peak'])} |"
+            for row in results["rows"]
+        ),
+        "",
+    ]
+
+
+def _thread_limit(threads):
+    if threads is None:
+        return "none (the backend's default)"
+    return f"{threads} (--threads)"
+
+
+def _steps(counts):
+    return ", ".join(f"{counts[arm]} ({arm})" for arm in ARMS)
+
+
+def _time(summary, scale):
+    return (
+        f"{summary['median'] * scale:.4g} "
+        f"({summary['q1'] * scale:.4g}-{summary['q3'] * scale:.4g})"
+    )
+
+
+def _comparison(row):
+    comparison = row["comparison"]
+    paired = comparison["paired"]
+    return (
+        f"{comparison['ratio']:.3f} | {paired['q1']:.3f}-{paired['q3']:.3f} "
+        f"| {row['verdict']}"
+    )
+
+
+def _mib(summary):
+    if summary is None:
+        return "n/a"
+    median = summary["median"] / MIB
+    if summary["n"] == 1:
+        return f"{median:.0f}"
+    return (
+        f"{median:.0f} ({summary['min'] / MIB:.0f}-{summary['max'] / MIB:.0f})"
+    )
+
+
+def _write_atomically(path, text):
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)

@@ -1,0 +1,118 @@
+"""What the suite measures and how much of it: full and quick sizes.
+
+Importing this module imports no backend and not Keras.
+"""
+
+import dataclasses
+
+BENCHMARKS = ("layer_call", "loss_scaling", "speedup", "memory")
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
+
+# The two arms compared everywhere: this package, and Keras' own classes.
+PLUGIN = "plugin"
+KERAS = "keras"
+ARMS = (PLUGIN, KERAS)
+
+# Targets from the issue. Layer calls and training steps: plugin time over
+# Keras time, at most. Speed-ups: plugin speed-up over Keras speed-up, at
+# least.
+TARGETS = {
+    "layer_call": 1.05,
+    "loss_scaling": 1.02,
+    "speedup": 0.98,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes of one run of the suite.
+
+    Attributes:
+        name: "full" or "quick".
+        repeats: Timed repetitions of every training measurement.
+        layer_repeats: Timed repetitions of every layer-call measurement.
+        layer_calls: Layer calls in one timed repetition.
+        layer_shape: The input shape of the layer-call benchmark.
+        layer_units: The units of its Dense layer.
+        mlp_units: Input features, hidden units..., classes of the MLP.
+        mlp_batch: The MLP's batch size.
+        conv_image: Height and width of the convnet's images.
+        conv_filters: Filters of the convnet's three convolutions.
+        conv_batch: The convnet's batch size.
+        step_budget: Seconds of training steps wanted in one timed
+            repetition (one `fit` epoch) of one model.
+        max_steps: The most timed training steps in one repetition.
+        memory_batch: Batch size of the activation-heavy model.
+        memory_width: Width of its hidden layers.
+        memory_depth: Number of its hidden layers.
+        memory_steps: Training steps whose peak memory is read.
+        memory_repeats: Fresh processes per memory configuration.
+    """
+
+    name: str
+    repeats: int
+    layer_repeats: int
+    layer_calls: int
+    layer_shape: tuple
+    layer_units: int
+    mlp_units: tuple
+    mlp_batch: int
+    conv_image: int
+    conv_filters: tuple
+    conv_batch: int
+    step_budget: float
+    max_steps: int
+    memory_batch: int
+    memory_width: int
+    memory_depth: int
+    memory_steps: int
+    memory_repeats: int
+
+
+FULL = Sizes(
+    name="full",
+    repeats=5,
+    layer_repeats=15,
+    layer_calls=100,
+    layer_shape=(32, 64),
+    layer_units=64,
+    mlp_units=(784, 512, 512, 10),
+    mlp_batch=256,
+    conv_image=32,
+    conv_filters=(16, 32, 64),
+    conv_batch=64,
+    step_budget=0.4,
+    max_steps=30,
+    memory_batch=16384,
+    memory_width=256,
+    memory_depth=6,
+    memory_steps=3,
+    memory_repeats=2,
+)
+
+QUICK = Sizes(
+    name="quick",
+    repeats=5,
+    layer_repeats=5,
+    layer_calls=20,
+    layer_shape=(32, 64),
+    layer_units=64,
+    mlp_units=(32, 32, 32, 10),
+    mlp_batch=32,
+    conv_image=8,
+    conv_filters=(4, 4, 8),
+    conv_batch=8,
+    step_budget=0.01,
+    max_steps=3,
+    memory_batch=256,
+    memory_width=32,
+    memory_depth=2,
+    memory_steps=2,
+    memory_repeats=1,
+)
+
+
+def get_sizes(quick):
+    """Returns `QUICK` if `quick` is true, else `FULL`."""
+    return QUICK if quick else FULL

@@ -1,0 +1,71 @@
+"""The whole suite on the backend this process runs, as one results dict.
+
+Import this module only once `KERAS_BACKEND` is set: it imports Keras.
+"""
+
+import dataclasses
+import sys
+import time
+
+import keras
+
+from tests.benchmarks import backend_support
+from tests.benchmarks import layer_call
+from tests.benchmarks import loss_scaling
+from tests.benchmarks import machine
+from tests.benchmarks import memory
+from tests.benchmarks import speedup
+from tests.benchmarks import threads as thread_limit
+from tests.benchmarks.sizes import BENCHMARKS
+
+
+def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
+    """Runs `benchmarks` on the running backend; returns the results.
+
+    Args:
+        sizes: A `sizes.Sizes`.
+        benchmarks: The names of the benchmarks to run, from `BENCHMARKS`.
+        threads: A limit on the backend's threads, or None for its default
+            (see `threads.py`; the environment must be set already).
+        log: A function taking one line of progress; defaults to stderr.
+
+    Returns:
+        A dict: the machine, the process-wide settings, each benchmark's
+        results and the seconds it took.
+    """
+    log = log or _log_to_stderr
+    name = backend_support.backend()
+    thread_limit.limit_backend(threads)
+    keras.utils.set_random_seed(0)
+    results = {
+        "backend": name,
+        "sizes": dataclasses.asdict(sizes),
+        "threads": threads,
+        "machine": machine.describe(),
+        "device": backend_support.device(),
+        "settings": backend_support.thread_settings(),
+        "load_average": {"before": machine.load_average()},
+        "seconds": {},
+    }
+    runners = {
+        "layer_call": lambda: layer_call.run(sizes),
+        "loss_scaling": lambda: loss_scaling.run(sizes),
+        "speedup": lambda: speedup.run(sizes),
+        "memory": lambda: memory.run(name, sizes, threads),
+    }
+    start = time.perf_counter()
+    for benchmark in benchmarks:
+        log(f"[{name}] {benchmark} ...")
+        began = time.perf_counter()
+        results[benchmark] = runners[benchmark]()
+        seconds = time.perf_counter() - began
+        results["seconds"][benchmark] = round(seconds, 1)
+        log(f"[{name}] {benchmark} done in {seconds:.1f} s")
+        keras.utils.clear_session()
+    results["seconds"]["total"] = round(time.perf_counter() - start, 1)
+    results["load_average"]["after"] = machine.load_average()
+    return results
+
+
+def _log_to_stderr(line):
+    print(line, file=sys.stderr, flush=True)
