@@ -6,9 +6,11 @@ installs its compile hook (see `install` and `uninstall`).
 
 from keras_dtype_policy import experimental
 from keras_dtype_policy import legacy_policy_configs  # noqa: F401
+from keras_dtype_policy.callbacks import LossScaleMonitor
 from keras_dtype_policy.global_policy import dtype_policy
 from keras_dtype_policy.global_policy import policy_scope
 from keras_dtype_policy.global_policy import set_dtype_policy
+from keras_dtype_policy.hardware import SlowFloat16Warning
 from keras_dtype_policy.legacy_policy import Policy
 from keras_dtype_policy.legacy_policy import global_policy
 from keras_dtype_policy.legacy_policy import set_policy
@@ -30,8 +32,10 @@ __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
+    "LossScaleMonitor",
     "LossScaleOptimizer",
     "Policy",
+    "SlowFloat16Warning",
     "dtype_policy",
     "experimental",
     "get_loss_scale",

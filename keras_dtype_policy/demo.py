@@ -15,9 +15,12 @@ import numpy as np
 from keras_dtype_policy import measurement
 from keras_dtype_policy.callbacks import LossScaleMonitor
 from keras_dtype_policy.global_policy import policy_scope
+from keras_dtype_policy.model_report import dtype_bytes
 from keras_dtype_policy.model_report import layer_rows
+from keras_dtype_policy.model_report import public_class_name
 from keras_dtype_policy.tables import format_bytes
 from keras_dtype_policy.tables import format_table
+from keras_dtype_policy.tables import wrap
 
 BATCH_SIZE = 32
 TEST_FRACTION = 0.2
@@ -51,6 +54,9 @@ class Run:
 def load_digits(max_samples=None, seed=0):
     """Returns scikit-learn's digits, shuffled and split into train and test.
 
+    The training set is cut to whole batches of `BATCH_SIZE`, so that
+    every step has the same shape (one compilation, comparable times).
+
     Args:
         max_samples: If given, train on at most this many images (the test
             set stays whole).
@@ -69,6 +75,8 @@ def load_digits(max_samples=None, seed=0):
     test, train = order[:test_count], order[test_count:]
     if max_samples is not None:
         train = train[:max_samples]
+    if len(train) >= BATCH_SIZE:
+        train = train[: len(train) // BATCH_SIZE * BATCH_SIZE]
     return Digits(x[train], y[train], x[test], y[test])
 
 
@@ -149,10 +157,10 @@ def run_demo(
         policy is float32).
     """
     data = load_digits(max_samples)
+    print_fn("Training a small convnet on scikit-learn's handwritten digits")
     print_fn(
-        "Training a small convnet on scikit-learn's handwritten digits "
-        f"({len(data.x_train)} training and {len(data.x_test)} test "
-        "images, 8x8 pixels, 10 classes)"
+        f"({len(data.x_train)} training and {len(data.x_test)} test images, "
+        "8x8 pixels, 10 classes)"
     )
     print_fn(f"backend: {keras.backend.backend()}")
     policies = [policy] if policy == "float32" else [policy, "float32"]
@@ -186,6 +194,7 @@ def report_lines(chosen, baseline):
             row["params"],
         )
         for row in layer_rows(chosen.model)
+        if row["class"] != "InputLayer"
     ]
     lines += format_table(
         ("layer", "class", "policy", "compute", "variables", "params"), rows
@@ -201,33 +210,40 @@ def loss_scale_lines(run):
     """Returns the lines that tell the loss-scale trajectory of a run."""
     optimizer = run.model.optimizer
     if run.monitor is None:
-        compute = run.model.layers[0].compute_dtype
-        return [
+        compute = run.model.get_layer("dense").compute_dtype
+        return wrap(
             f"Loss scale: none. Under {run.policy} the layers compute in "
-            f"{compute}, whose range is float32's (or is float32): small "
-            "gradients do not flush to zero."
-        ]
+            f"{compute}, whose range is float32's (or which is float32): "
+            "small gradients do not flush to zero."
+        )
     trajectory = run.monitor.trajectory
     scales = trajectory["loss_scale"]
-    skipped = trajectory["skipped"]
     kind = "dynamic" if getattr(optimizer, "dynamic", True) else "fixed"
     lines = [
-        f"Loss scale ({kind}, {type(optimizer).__module__.split('.')[0]}."
-        f"{type(optimizer).__name__}), {len(scales)} steps: starts at "
-        f"{optimizer.initial_scale:g}, ends at {scales[-1]:g} "
-        f"(lowest {min(scales):g}, highest {max(scales):g}); "
-        f"{sum(skipped)} steps skipped for NaN or Inf gradients."
+        f"Loss scale ({kind}, {public_class_name(optimizer)}), "
+        f"{len(scales)} steps:"
     ]
+    lines += wrap(
+        f"starts at {optimizer.initial_scale:g}, ends at {scales[-1]:g} "
+        f"(lowest {min(scales):g}, highest {max(scales):g}); "
+        f"{sum(trajectory['skipped'])} steps skipped for NaN or Inf "
+        "gradients.",
+        indent="  ",
+    )
     events = _scale_events(trajectory, optimizer.initial_scale)
     if not events:
         growth = getattr(optimizer, "dynamic_growth_steps", None)
         if kind == "dynamic" and growth:
-            lines.append(
-                f"  The scale never changed: it grows after {growth} finite "
-                "steps in a row and shrinks only after a skipped step."
+            lines += wrap(
+                f"The scale never changed: it grows after {growth} finite "
+                "steps in a row and shrinks only after a skipped step.",
+                indent="  ",
             )
         return lines
-    rows = [(step, epoch, event, f"{scale:g}") for step, epoch, event, scale in events]
+    rows = [
+        (step, epoch, event, f"{scale:g}")
+        for step, epoch, event, scale in events
+    ]
     shown = rows[:MAX_EVENTS]
     lines += format_table(
         ("step", "epoch", "event", "scale after"),
@@ -250,24 +266,21 @@ def comparison_lines(chosen, baseline):
     )
     memory_where = chosen.memory.where
     step_times = [run.timer.median_step_time() for run in runs]
+    activations = [activation_bytes(run.model, BATCH_SIZE) for run in runs]
     peaks = [run.memory.peak_bytes for run in runs]
     rows = [
+        ("step time (median)", *(_milliseconds(t) for t in step_times)),
         (
-            "step time (median)",
-            *(_milliseconds(t) for t in step_times),
+            f"activations per batch of {BATCH_SIZE}",
+            *(format_bytes(a) for a in activations),
         ),
-        (
-            f"peak memory ({memory_where})",
-            *(format_bytes(p) for p in peaks),
-        ),
-        (
-            "test accuracy",
-            *(f"{run.accuracy:.1%}" for run in runs),
-        ),
+        (f"peak memory ({memory_where})", *(format_bytes(p) for p in peaks)),
+        ("test accuracy", *(f"{run.accuracy:.1%}" for run in runs)),
     ]
     if len(runs) == 2:
         ratios = (
             _ratio(step_times[1], step_times[0]),
+            _ratio(activations[1], activations[0]),
             _ratio(peaks[1], peaks[0]),
             "",
         )
@@ -277,13 +290,37 @@ def comparison_lines(chosen, baseline):
         header += (f"{chosen.policy} / float32",)
     lines = [title]
     lines += format_table(header, rows, align="l" + "r" * (len(header) - 1))
-    if memory_where == "process":
-        lines.append(
-            "peak memory: growth of the process's peak resident memory "
-            "during training, compilation included; on a model this small "
-            "it says little."
+    lines.append("")
+    lines += wrap(
+        "activations: the layers' outputs for one batch, in their compute "
+        "dtype, as kept for the backward pass (computed, not measured)."
+    )
+    if chosen.memory.peak_bytes is None:
+        lines += wrap(
+            "peak memory: measured with the accelerator's own counters; a "
+            "CPU has none, and the process's memory mixes in compilation "
+            "and allocator caches, so it is not shown."
+        )
+    else:
+        lines += wrap(
+            "peak memory: the accelerator's peak above what was in use "
+            "when training began."
         )
     return lines
+
+
+def activation_bytes(model, batch_size):
+    """Returns the bytes of all layer outputs for a batch of `batch_size`.
+
+    Computed from the outputs' shapes and dtypes (the compute dtype of each
+    layer), not measured.
+    """
+    total = 0
+    for layer in model.layers:
+        for output in keras.tree.flatten(layer.output):
+            elements = int(np.prod(output.shape[1:], dtype=np.int64))
+            total += batch_size * elements * dtype_bytes(output.dtype)
+    return total
 
 
 def write_plot(path, runs):

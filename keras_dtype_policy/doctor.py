@@ -6,6 +6,7 @@ import keras
 
 from keras_dtype_policy import hardware
 from keras_dtype_policy.tables import format_table
+from keras_dtype_policy.tables import wrap
 
 _BACKEND_DISTRIBUTIONS = {
     "jax": ("jax", "jaxlib"),
@@ -84,7 +85,9 @@ def format_report(report):
     for device in report["devices"]:
         description = device["description"] or "-"
         if device["compute_capability"]:
-            description += f" (compute capability {device['compute_capability']})"
+            description += (
+                f" (compute capability {device['compute_capability']})"
+            )
         rows.append(
             (
                 device["name"] + ("" if device["computes"] else " (idle)"),
@@ -101,7 +104,7 @@ def format_report(report):
     for device in report["devices"]:
         for dtype in ("float16", "bfloat16"):
             verdict = device[dtype]
-            lines.append(
+            lines += wrap(
                 f"{dtype} on {device['name']}: {verdict['speed']}: "
                 f"{verdict['why']}"
             )
@@ -111,11 +114,12 @@ def format_report(report):
     lines += [
         "",
         f"recommended policy: {report['recommended_policy']}",
-        f"  why: {report['reason']}",
     ]
+    lines += wrap(f"why: {report['reason']}", indent="  ")
     if report["notes"]:
         lines.append("")
-        lines += [f"note: {note}" for note in report["notes"]]
+        for note in report["notes"]:
+            lines += wrap(note, bullet="note: ")
     return lines
 
 
@@ -129,7 +133,8 @@ def _notes(backend, computing):
         )
     if on_cpu:
         notes.append(
-            "mixed_float16 on a CPU trains correctly (with loss scaling), "
-            "only not faster: useful to test a GPU setup on a laptop"
+            "mixed_float16 trains correctly on a CPU, with loss scaling, "
+            "but never faster than float32, and with some backends much "
+            "slower: use it there only to try out a GPU setup"
         )
     return notes

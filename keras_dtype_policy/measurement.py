@@ -1,19 +1,12 @@
-"""Step times and peak memory of a training run, for the demo.
+"""Step times and accelerator peak memory of a training run, for the demo.
 
-Peak memory is the accelerator's where there is one, through the backend's
-own counters; on a CPU it is the growth of the process's peak resident
-memory during the run, which Linux lets a process reset
-(/proc/self/clear_refs) and read (VmHWM in /proc/self/status). Elsewhere it
-is unknown (None). Backend libraries are imported inside the functions.
+Backend libraries are imported inside the functions.
 """
 
 import statistics
 import time
 
 import keras
-
-_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -57,42 +50,35 @@ class StepTimer(keras.callbacks.Callback):
 
 
 class PeakMemory:
-    """A context manager that measures the peak memory of its block.
+    """A context manager that measures an accelerator's peak memory.
+
+    It reads the backend's own counters (`torch.cuda`, TensorFlow's
+    `get_memory_info`, JAX's `memory_stats`). A CPU has no such counters,
+    and a process's resident memory mixes in compilation and allocator
+    caches, so on a CPU nothing is measured.
 
     Attributes:
-        where: What was measured, such as `"cuda:0"` or `"process"`.
+        where: The device measured, such as `"cuda:0"`, or `"cpu"`.
         peak_bytes: The peak above the memory in use when the block began,
             or None where it cannot be measured.
     """
 
     def __init__(self):
-        self.where = "process"
+        self.where = "cpu"
         self.peak_bytes = None
         self._probe = None
 
     def __enter__(self):
-        self._probe = _device_probe() or _ProcessProbe()
-        self.where = self._probe.where
-        self._probe.start()
+        self._probe = _device_probe()
+        if self._probe is not None:
+            self.where = self._probe.where
+            self._probe.start()
         return self
 
     def __exit__(self, *exc_info):
-        self.peak_bytes = self._probe.stop()
+        if self._probe is not None:
+            self.peak_bytes = self._probe.stop()
         return False
-
-
-class _ProcessProbe:
-    where = "process"
-
-    def start(self):
-        self._baseline = _status_bytes("VmRSS")
-        self._reset = _reset_peak_rss()
-
-    def stop(self):
-        peak = _status_bytes("VmHWM")
-        if not self._reset or peak is None or self._baseline is None:
-            return None
-        return max(0, peak - self._baseline)
 
 
 class _TorchProbe:
@@ -166,26 +152,5 @@ def _device_probe():
             if device.platform != "cpu" and device.memory_stats():
                 return _JaxProbe(device)
     except (RuntimeError, ValueError, AttributeError, KeyError):
-        return None
-    return None
-
-
-def _reset_peak_rss():
-    """Resets VmHWM to the current resident size; False if it cannot."""
-    try:
-        with open(_CLEAR_REFS, "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def _status_bytes(field):
-    try:
-        with open(_STATUS, encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
         return None
     return None

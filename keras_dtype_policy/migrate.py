@@ -18,12 +18,16 @@ import keras
 import numpy as np
 
 from keras_dtype_policy import config_translation
+from keras_dtype_policy import legacy_policy_configs
 from keras_dtype_policy import model_files
 from keras_dtype_policy.loss_scale import get_loss_scale
 from keras_dtype_policy.model_files import ModelFileError
+from keras_dtype_policy.model_report import public_class_name
 from keras_dtype_policy.model_report import sublayers
+from keras_dtype_policy.policy import DTypePolicy
+from keras_dtype_policy.tables import wrap
 
-_MISSING = object()
+_KERAS_POLICIES = (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
 _CLASS_KEYS = ("class_name", "module", "registered_name")
 _COMPILE_KEYS = ("compile_config", "training_config")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_config")
@@ -96,6 +100,7 @@ def migrate(old, new, overwrite=False):
     changes = config_changes(source)
     dropped = dropped_loss_scales(source.model_config)
     model, messages = model_files.load_model(source)
+    adopt_package_policies(model, source.model_config)
     changes = [_with_loaded_policy(change, model) for change in changes]
     notes = [m for m in messages if "loss scale" not in m]
     optimizer = getattr(model, "optimizer", None)
@@ -152,26 +157,52 @@ def config_changes(source):
 def dropped_loss_scales(config):
     """Lists the loss scales that tf.keras policies in `config` carried."""
     dropped = []
+    for path, dtype in _layer_dtypes(config):
+        if isinstance(dtype, dict):
+            scale = (dtype.get("config") or {}).get("loss_scale")
+            if scale is not None:
+                dropped.append(
+                    f"{path}: {_describe_dtype(dtype)}: "
+                    f"{_describe_loss_scale(scale)}"
+                )
+    return dropped
+
+
+def adopt_package_policies(model, config):
+    """Gives this package's `DTypePolicy` to the layers that had tf.keras's.
+
+    Keras loads a translated tf.keras policy as its own `DTypePolicy` of the
+    same name; this swaps in `keras_dtype_policy.DTypePolicy`, which is what
+    the new file then names (it still loads as Keras' own without this
+    package). The dtypes stay the same, so the weights are untouched.
+
+    Args:
+        model: The loaded model.
+        config: The model config as read from the file.
+    """
+    for path, dtype in _layer_dtypes(config):
+        if not legacy_policy_configs.is_legacy_policy_config(dtype):
+            continue
+        layer = _find_layer(model, path)
+        if layer is not None and type(layer.dtype_policy) in _KERAS_POLICIES:
+            layer.dtype_policy = DTypePolicy(layer.dtype_policy.name)
+
+
+def _layer_dtypes(config):
+    """Yields `(path, dtype config)` for every layer, nested ones too."""
 
     def visit(node, path):
         inner = node.get("config") if isinstance(node, dict) else None
         if not isinstance(inner, dict):
             return
-        dtype = inner.get("dtype")
-        if isinstance(dtype, dict):
-            scale = (dtype.get("config") or {}).get("loss_scale")
-            if scale is not None:
-                dropped.append(
-                    f"{path or 'model'}: {_describe_dtype(dtype)}: "
-                    f"{_describe_loss_scale(scale)}"
-                )
+        if path:
+            yield path, inner.get("dtype")
         for layer in inner.get("layers") or ():
             name = _layer_name(layer)
             if name is not None:
-                visit(layer, f"{path}/{name}" if path else name)
+                yield from visit(layer, f"{path}/{name}" if path else name)
 
-    visit(config, "")
-    return dropped
+    yield from visit(config, "")
 
 
 def verify(model, path):
@@ -228,7 +259,8 @@ def format_migration(migration):
     ]
     if migration.notes:
         lines += ["", "notes:"]
-        lines += [f"  - {note}" for note in migration.notes]
+        for note in migration.notes:
+            lines += wrap(note, bullet="  - ")
     optimizer = (
         f" and {migration.optimizer_values} optimizer values"
         if migration.optimizer_values
@@ -377,8 +409,8 @@ def _is_object(node):
 
 
 def _with_loaded_policy(change, model):
-    """Names the policy class a layer really got on load, where known."""
-    marker = " -> DTypePolicy "
+    """Names the policy class a layer really has, where known."""
+    marker = ' -> DTypePolicy "'
     if marker not in change.text:
         return change
     layer = _find_layer(model, change.subject)
@@ -387,7 +419,8 @@ def _with_loaded_policy(change, model):
     policy = layer.dtype_policy
     before = change.text.split(marker)[0]
     return Change(
-        change.subject, f'{before} -> {type(policy).__name__} "{policy.name}"'
+        change.subject,
+        f'{before} -> {public_class_name(policy)} "{policy.name}"',
     )
 
 

@@ -13,6 +13,7 @@ from keras_dtype_policy import model_files
 from keras_dtype_policy.optimizer import LossScaleOptimizer
 from keras_dtype_policy.tables import format_bytes
 from keras_dtype_policy.tables import format_table
+from keras_dtype_policy.tables import wrap
 
 LAYER_COLUMNS = (
     ("path", "layer"),
@@ -98,7 +99,7 @@ def layer_rows(model):
                     "variable_dtype": policy.variable_dtype,
                     "params": sum(_size(w) for w in weights),
                     "bytes": sum(
-                        _size(w) * _itemsize(w.dtype) for w in weights
+                        _size(w) * dtype_bytes(w.dtype) for w in weights
                     ),
                 }
             )
@@ -238,7 +239,8 @@ def format_report(report):
     if report["notes"]:
         lines.append("")
         lines.append("notes:")
-        lines += [f"  - {note}" for note in report["notes"]]
+        for note in report["notes"]:
+            lines += wrap(note, bullet="  - ")
     return lines
 
 
@@ -302,8 +304,8 @@ def _size(weight):
     return int(np.prod(weight.shape, dtype=np.int64))
 
 
-def _itemsize(dtype):
-    """Returns the bytes per element of a Keras dtype name."""
+def dtype_bytes(dtype):
+    """Returns the bytes per element of a dtype: 2 for `"bfloat16"`."""
     name = keras.backend.standardize_dtype(dtype)
     if name == "bool":
         return 1

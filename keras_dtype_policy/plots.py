@@ -15,7 +15,7 @@ def write_training_plot(path, losses, loss_scale=None, title=None):
     Args:
         path: Where to write the PNG.
         losses: A dict `{label: (steps, values)}` of loss curves; values
-            that are None or not finite are left out.
+            that are None or not finite leave a gap.
         loss_scale: None, or `(steps, scales, skipped)`: the scale after
             each step and whether the step was skipped. Skipped steps are
             marked with a red cross.
@@ -73,7 +73,7 @@ def _draw_loss_scale(axis, steps, scales, skipped):
             linestyle="none",
             marker="x",
             color="tab:red",
-            label=f"skipped step ({len(marks)})",
+            label=f"skipped step ({len(marks)} in all)",
         )
     axis.set_ylabel("loss scale")
     axis.grid(True, alpha=0.3)
@@ -81,15 +81,16 @@ def _draw_loss_scale(axis, steps, scales, skipped):
 
 
 def _draw_losses(axis, losses):
-    for label, (steps, values) in losses.items():
-        points = [
-            (step, value)
-            for step, value in zip(steps, values, strict=True)
-            if value is not None and math.isfinite(value)
+    for index, (label, (steps, values)) in enumerate(losses.items()):
+        # NaN breaks the line: a NaN or Inf loss leaves a gap.
+        ys = [
+            value if value is not None and math.isfinite(value) else math.nan
+            for value in values
         ]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            axis.plot(xs, ys, label=label)
+        if any(math.isfinite(y) for y in ys):
+            # Dashed after the first curve: equal curves stay visible.
+            style = "-" if index == 0 else "--"
+            axis.plot(list(steps), ys, linestyle=style, label=label)
     axis.set_ylabel("loss (running mean of the epoch)")
     axis.grid(True, alpha=0.3)
     if losses:

@@ -1,6 +1,9 @@
 """Plain-text tables for the command line's reports."""
 
 import numbers
+import textwrap
+
+WIDTH = 79
 
 
 def format_table(header, rows, indent="", align=None):
@@ -74,6 +77,26 @@ def format_bytes(count):
         if abs(value) < 1024 or unit == "GiB":
             break
     return f"{value:.1f} {unit}"
+
+
+def wrap(text, indent="", bullet=""):
+    """Returns `text` as lines of at most `WIDTH` columns.
+
+    Args:
+        text: One paragraph.
+        indent: A prefix for every line.
+        bullet: A prefix for the first line instead of `indent` (such as
+            `"  - "`); the next lines are indented as deep.
+    """
+    first = bullet or indent
+    return textwrap.wrap(
+        text,
+        width=WIDTH,
+        initial_indent=first,
+        subsequent_indent=" " * len(first) if bullet else indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [first.rstrip()]
 
 
 def _is_number(cell):

@@ -1,0 +1,445 @@
+"""The command line, run as a user runs it: `python -m keras_dtype_policy`.
+
+Each command runs in a subprocess on the backend of this test run
+(`KERAS_BACKEND` is passed on). Standard error may hold the backends' own
+log lines; only our lines are checked there. A few finer error paths run
+in-process through `cli.main`, which the subprocesses also run.
+"""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+from testing import to_numpy
+
+import keras_dtype_policy as kdp
+from keras_dtype_policy import cli
+from keras_dtype_policy import hardware
+
+BACKEND = keras.backend.backend()
+FIXTURES = (
+    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+)
+ERROR = "keras-dtype-policy: error: "
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args, cwd=None, env=None, timeout=240):
+    """Runs the command line in a subprocess; returns the completed run."""
+    environment = dict(os.environ, KERAS_BACKEND=BACKEND)
+    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dtype_policy", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=environment,
+        timeout=timeout,
+    )
+
+
+def assert_one_error_line(result, status, fragment):
+    """The run failed with `status` and said why in one line, no traceback."""
+    assert result.returncode == status, result.stderr
+    ours = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("keras-dtype-policy")
+    ]
+    assert len(ours) == 1, result.stderr
+    assert ours[0].startswith(ERROR)
+    assert fragment in ours[0]
+    assert "Traceback" not in result.stderr
+
+
+def tables(text):
+    """Returns each table of a report: its header, rule and rows."""
+    lines = text.splitlines()
+    found = []
+    for index, line in enumerate(lines):
+        if line.strip() and set(line.strip()) <= {"-", " "}:
+            end = index + 1
+            while end < len(lines) and lines[end].strip():
+                end += 1
+            found.append(lines[index - 1 : end])
+    return found
+
+
+def assert_aligned(table):
+    """Every cell lies within its column, as the rule of dashes draws it."""
+    rule = table[1]
+    spans = [match.span() for match in re.finditer(r"-+", rule)]
+    for line in [table[0], *table[2:]]:
+        assert len(line) <= spans[-1][1], line
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert line[end:start].strip() == "", line
+
+
+def cells(table):
+    """Returns the rows of a table as lists of stripped cells."""
+    spans = [match.span() for match in re.finditer(r"-+", table[1])]
+    return [
+        [line[start:end].strip() for start, end in spans]
+        for line in [table[0], *table[2:]]
+    ]
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("demo", "inspect", "migrate", "doctor"):
+        assert command in result.stdout
+    assert "KERAS_BACKEND" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        ("demo", "--epochs"),
+        ("inspect", "--json"),
+        ("migrate", "--force"),
+        ("doctor", "--json"),
+    ],
+)
+def test_every_command_has_help(command, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert fragment in capsys.readouterr().out
+
+
+def test_the_console_script_runs():
+    script = pathlib.Path(sys.executable).parent / "keras-dtype-policy"
+    if not script.exists():
+        script = shutil.which("keras-dtype-policy")
+        if script is None:
+            pytest.skip("the console script is not installed here")
+    result = subprocess.run(
+        [str(script), "--version"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND),
+        timeout=120,
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"keras-dtype-policy {kdp.__version__}"
+
+
+def test_doctor_names_backend_devices_and_policy():
+    result = run_cli("doctor")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"backend: {BACKEND} ")
+    table = tables(result.stdout)[0]
+    assert_aligned(table)
+    rows = cells(table)
+    assert rows[0] == ["device", "kind", "model", "float16", "bfloat16"]
+    assert rows[1][0].startswith("cpu:0") and rows[1][1] == "cpu"
+    expected, _ = hardware.recommend_policy(hardware.list_devices())
+    assert f"recommended policy: {expected}" in result.stdout
+
+
+def test_doctor_json_matches_the_rules():
+    result = run_cli("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["backend"] == BACKEND
+    assert report["keras_version"] == keras.__version__
+    devices = hardware.list_devices()
+    assert [d["name"] for d in report["devices"]] == [d.name for d in devices]
+    for row, device in zip(report["devices"], devices, strict=True):
+        assert row["float16"]["speed"] == hardware.float16_verdict(device).speed
+        assert (
+            row["bfloat16"]["speed"] == hardware.bfloat16_verdict(device).speed
+        )
+    assert report["recommended_policy"] == hardware.recommend_policy(devices)[0]
+    if all(d.kind == "cpu" for d in devices):
+        assert report["devices"][0]["float16"]["speed"] == "slow"
+
+
+def test_inspect_a_tf_keras_h5_file():
+    result = run_cli(
+        "inspect", FIXTURES / "dense_mixed_float16_adam_dynamic.h5"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "written by tf.keras 2.21.0" in result.stdout
+    layers, settings = tables(result.stdout)
+    assert_aligned(layers)
+    assert_aligned(settings)
+    rows = {row[0]: row for row in cells(layers)[1:]}
+    assert rows["dense"] == [
+        "dense",
+        "Dense",
+        "mixed_float16",
+        "float16",
+        "float32",
+        "144",
+        "576 B",
+    ]
+    assert rows["batch_normalization"][2:5] == [
+        "mixed_float16",
+        "float16",
+        "float32",
+    ]
+    assert rows["activation"][2] == "float32"
+    assert rows["total"][5] == "276"
+    assert "optimizer: keras_dtype_policy.LossScaleOptimizer" in result.stdout
+    assert "loss scaling: dynamic" in result.stdout
+    values = {row[1]: row[2] for row in cells(settings)[1:]}
+    assert values["initial_scale"] == "32768 (2^15)"
+    assert values["loss_scale"] == "32768 (2^15)"
+    assert values["skipped_steps"] == "0"
+    assert "3 iterations" in result.stdout
+    assert "hold no loss-scale state" in result.stdout
+
+
+def test_inspect_json_of_a_tf_keras_keras_file():
+    path = FIXTURES / "dense_mixed_float16_adam_fixed.keras"
+    result = run_cli("inspect", path, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["format"] == "keras"
+    assert report["backend"] == BACKEND
+    model = keras.saving.load_model(path)
+    assert report["totals"]["params"] == model.count_params()
+    # Every variable is float32 here: 4 bytes each.
+    assert report["totals"]["bytes"] == 4 * model.count_params()
+    assert [row["path"] for row in report["layers"]] == [
+        "input_1",
+        "dense",
+        "batch_normalization",
+        "dense_1",
+        "activation",
+    ]
+    dense = report["layers"][1]
+    assert dense["policy_class"] == "keras.DTypePolicy"
+    assert (dense["compute_dtype"], dense["variable_dtype"]) == (
+        "float16",
+        "float32",
+    )
+    optimizer = report["optimizer"]
+    assert optimizer["class"] == "keras_dtype_policy.LossScaleOptimizer"
+    assert optimizer["iterations"] == 3
+    assert optimizer["loss_scaling"]["settings"] == {
+        "dynamic": False,
+        "initial_scale": 1024.0,
+    }
+    assert optimizer["loss_scaling"]["state"] == {
+        "loss_scale": 1024.0,
+        "skipped_steps": 0,
+    }
+
+
+def test_inspect_shows_nested_layers_and_live_state(tmp_path, capsys):
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(1, name="dense")],
+        name="inner",
+    )
+    inputs = keras.Input((3,))
+    first = keras.layers.Dense(
+        4, dtype=kdp.DTypePolicy("mixed_float16"), name="first"
+    )
+    model = keras.Model(inputs, inner(first(inputs)), name="outer")
+    model.compile(kdp.LossScaleOptimizer(keras.optimizers.SGD(1e-3)), "mse")
+    x = np.full((4, 3), 0.01, "float32")
+    y = np.zeros((4, 1), "float32")
+    for batch in (x, x * 1e8, x):  # 1e6 overflows float16 in `first`
+        model.train_on_batch(batch, y)
+    model.save(tmp_path / "outer.keras")
+    assert cli.main(["inspect", str(tmp_path / "outer.keras"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    paths = {row["path"]: row for row in report["layers"]}
+    assert paths["inner/dense"]["params"] == 5
+    assert paths["inner/dense"]["policy"] == "float32"
+    assert paths["inner"]["params"] == 0  # its weights are its layer's
+    assert paths["first"]["policy_class"] == "keras_dtype_policy.DTypePolicy"
+    assert paths["first"]["bytes"] == 16 * 4
+    state = report["optimizer"]["loss_scaling"]["state"]
+    optimizer = model.optimizer
+    assert state == {
+        "loss_scale": optimizer.loss_scale,
+        "dynamic_counter": optimizer.dynamic_counter,
+        "skipped_steps": optimizer.skipped_steps,
+    }
+    assert state["skipped_steps"] >= 1  # the 1e8 batch at least
+    assert state["loss_scale"] < 2.0**15
+    assert report["written_by"].startswith("Keras 3.")
+
+
+def test_migrate_a_tf_keras_file(tmp_path):
+    old = FIXTURES / "dense_mixed_float16_adam_dynamic.h5"
+    result = run_cli("migrate", old, "migrated.keras", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert (
+        'dense: Policy(mixed_float16) -> keras_dtype_policy.DTypePolicy "'
+        'mixed_float16"' in out
+    )
+    assert (
+        "optimizer: LossScaleOptimizerV3 -> "
+        "keras_dtype_policy.LossScaleOptimizer" in out
+    )
+    assert "loss scales dropped:\n  none" in out
+    assert "checked: migrated.keras loads with the same 8 weights" in out
+    new = tmp_path / "migrated.keras"
+    assert zipfile.is_zipfile(new)
+    kdp.uninstall()
+    try:
+        migrated = keras.saving.load_model(new)
+    finally:
+        kdp.install()
+    original = keras.saving.load_model(old)
+    x = np.load(FIXTURES / "dense_mixed_float16_adam_dynamic.predictions.npz")[
+        "x"
+    ]
+    np.testing.assert_array_equal(
+        to_numpy(migrated.predict(x, verbose=0)),
+        to_numpy(original.predict(x, verbose=0)),
+    )
+
+
+def demo_report(result):
+    """Checks a demo run's tables; returns its layers and comparison."""
+    assert result.returncode == 0, result.stderr
+    found = tables(result.stdout)
+    for table in found:
+        assert_aligned(table)
+    layers, comparison = cells(found[0]), cells(found[-1])
+    return layers, comparison
+
+
+def test_demo_runs_the_default_policy_against_float32(tmp_path):
+    result = run_cli("demo", "--epochs", "1", "--samples", "64", cwd=tmp_path)
+    layers, comparison = demo_report(result)
+    policy = hardware.demo_policy(hardware.list_devices())
+    assert f"[1/2] policy {policy}" in result.stdout
+    assert "[2/2] policy float32 (for comparison)" in result.stdout
+    assert "64 training and 359 test images" in result.stdout
+    assert "\u2501" in result.stdout  # the bar of Keras' progress bar
+    rows = {row[0]: row for row in layers[1:]}
+    compute = kdp.DTypePolicy(policy).compute_dtype
+    assert rows["conv_1"][1:5] == ["Conv2D", policy, compute, "float32"]
+    assert rows["probs"][2:5] == ["float32", "float32", "float32"]
+    assert comparison[0] == ["", "float32", policy, f"{policy} / float32"]
+    labels = [row[0] for row in comparison[1:]]
+    assert labels[0] == "step time (median)"
+    assert labels[1] == "activations per batch of 32"
+    assert labels[2].startswith("peak memory (")
+    assert labels[3] == "test accuracy"
+    # 16-bit activations, but for the float32 softmax: about half.
+    assert 0.45 <= float(comparison[2][3].rstrip("x")) <= 0.55
+    assert re.fullmatch(r"\d+\.\d%", comparison[4][1])
+    if policy == "mixed_bfloat16":
+        assert "Loss scale: none." in result.stdout
+
+
+def test_demo_float16_shows_loss_scale_and_writes_a_plot(tmp_path):
+    result = run_cli(
+        "demo",
+        "--policy",
+        "mixed_float16",
+        "--epochs",
+        "1",
+        "--samples",
+        "64",
+        "--plot",
+        "demo.png",
+        cwd=tmp_path,
+    )
+    demo_report(result)
+    assert (
+        "Loss scale (dynamic, keras_dtype_policy.LossScaleOptimizer), "
+        "2 steps:" in result.stdout
+    )
+    assert "starts at 32768, ends at 32768" in result.stdout
+    assert (tmp_path / "demo.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "plot written to demo.png" in result.stdout
+
+
+def test_demo_without_scikit_learn_names_the_extra(tmp_path):
+    fake = tmp_path / "fake" / "sklearn"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "raise ImportError('No module named sklearn')\n"
+    )
+    path = os.pathsep.join(
+        [str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]
+    )
+    result = run_cli("demo", env={"PYTHONPATH": path})
+    assert_one_error_line(result, 1, "pip install 'keras_dtype_policy[demo]'")
+
+
+@pytest.mark.parametrize(
+    "args, status, fragment",
+    [
+        (("inspect", "missing.keras"), 1, "missing.keras: no such file"),
+        (("inspect", "notes.keras"), 1, "not a zip archive"),
+        (
+            ("inspect", FIXTURES / "dense_mixed_float16.weights.h5"),
+            1,
+            "holds weights only",
+        ),
+        (
+            ("migrate", FIXTURES / "dense_mixed_bfloat16.h5", "notes.keras"),
+            1,
+            "exists already (use --force",
+        ),
+        (("demo", "--policy", "nope"), 2, "--policy: Cannot interpret 'nope'"),
+        (("demo", "--epochs", "0"), 2, "argument --epochs: must be a whole"),
+        (("demo", "--epochs", "abc"), 2, "not 'abc'"),
+        (("demo", "--plot", "demo.jpg"), 2, "must end in .png"),
+        (("frobnicate",), 2, "invalid choice: 'frobnicate'"),
+    ],
+    ids=[
+        "missing-file",
+        "not-a-model",
+        "weights-only",
+        "migrate-over-a-file",
+        "unknown-policy",
+        "zero-epochs",
+        "epochs-not-a-number",
+        "plot-not-png",
+        "unknown-command",
+    ],
+)
+def test_user_errors_are_one_line(args, status, fragment, tmp_path):
+    (tmp_path / "notes.keras").write_text("not a model")
+    result = run_cli(*args, cwd=tmp_path)
+    assert_one_error_line(result, status, fragment)
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, status, fragment",
+    [
+        ([], 2, "the following arguments are required: COMMAND"),
+        (["demo", "--policy", "int32"], 2, "floating-point policy"),
+        (["demo", "--policy", "float16_with_float32_vars"], 2, "removed"),
+        (["demo", "--samples", "-3"], 2, "not '-3'"),
+        (["demo", "--plot", "no/such/dir/a.png"], 1, "no such directory"),
+        (["inspect", "."], 1, "is a directory"),
+        (["inspect", "model.txt"], 1, "ending in .keras or .h5"),
+        (["migrate", "model.txt", "new.keras"], 1, "ending in .keras or .h5"),
+        (["migrate", "in.h5", "new.h5"], 1, "must end in .keras"),
+    ],
+)
+def test_more_user_errors_in_process(
+    args, status, fragment, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.txt").write_text("hello")
+    assert cli.main(args) == status
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(ERROR)
+    assert captured.err.count("\n") == 1
+    assert fragment in captured.err
