@@ -152,8 +152,18 @@ def test_a_keras_3_file_needs_no_changes(tmp_path):
     model.compile("adam", "mse")
     model.save(tmp_path / "k3.keras")
     result = migrate.migrate(tmp_path / "k3.keras", tmp_path / "new.keras")
-    assert result.changes == []
-    assert "  none" in migrate.format_migration(result)
+    changes = [str(change) for change in result.changes]
+    if keras.backend.backend() == "torch":
+        # The torch backend saves its own Adam subclass, which the
+        # translation names by its public class for the other backends.
+        assert changes == [
+            "optimizer.inner_optimizer: Adam "
+            "(keras.src.backend.torch.optimizers.torch_adam) -> "
+            "keras.optimizers.Adam"
+        ]
+    else:
+        assert changes == []
+        assert "  none" in migrate.format_migration(result)
 
 
 def _with_dtype(dtype, path):
