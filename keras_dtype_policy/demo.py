@@ -211,11 +211,16 @@ def loss_scale_lines(run):
     optimizer = run.model.optimizer
     if run.monitor is None:
         compute = run.model.get_layer("dense").compute_dtype
-        return wrap(
-            f"Loss scale: none. Under {run.policy} the layers compute in "
-            f"{compute}, whose range is float32's (or which is float32): "
-            "small gradients do not flush to zero."
-        )
+        if compute == "bfloat16":
+            return wrap(
+                "Loss scale: none. bfloat16 has float32's range of "
+                "exponents: small gradients do not flush to zero, and no "
+                "loss scaling is needed."
+            )
+        return [
+            f"Loss scale: none: under {run.policy} no layer computes in "
+            "float16."
+        ]
     trajectory = run.monitor.trajectory
     scales = trajectory["loss_scale"]
     kind = "dynamic" if getattr(optimizer, "dynamic", True) else "fixed"
