@@ -6,6 +6,7 @@ import inspect
 import keras
 
 from keras_dtype_policy import tf_keras_optimizer_state
+from keras_dtype_policy import tf_replicas
 from keras_dtype_policy.loss_scale import DynamicLossScale
 from keras_dtype_policy.optimizer import LossScaleOptimizer
 
@@ -87,7 +88,10 @@ def make_hooked_compile(original_compile):
         A function with the same signature. With `auto_scale_loss=True` (the
         default) it wraps the optimizer as `choose_optimizer` says, then
         calls Keras' compile with `auto_scale_loss=False`, so Keras' own rule
-        (the exact name "mixed_float16") never wraps a second time.
+        (the exact name "mixed_float16") never wraps a second time. Under a
+        `tf.distribute` strategy with several replicas, a loss-scaled model
+        asked for `jit_compile=True` compiles without XLA, with a warning,
+        since Keras' XLA step crashes there.
     """
     signature = inspect.signature(original_compile)
     default_optimizer = signature.parameters["optimizer"].default
@@ -101,6 +105,16 @@ def make_hooked_compile(original_compile):
                 self, arguments.get("optimizer", default_optimizer)
             )
         arguments["auto_scale_loss"] = False
+        if (
+            arguments.get("jit_compile") is True
+            and isinstance(
+                arguments.get("optimizer"),
+                keras.optimizers.LossScaleOptimizer,
+            )
+            and tf_replicas.spans_replicas(self)
+        ):
+            tf_replicas.warn_xla_unsupported(self)
+            arguments["jit_compile"] = False
         return original_compile(*bound.args, **bound.kwargs)
 
     return compile

@@ -5,6 +5,7 @@ from keras import ops
 
 from keras_dtype_policy import inner_optimizer_config
 from keras_dtype_policy import tf_keras_optimizer_state
+from keras_dtype_policy import tf_replicas
 from keras_dtype_policy.backend_utils import is_concrete
 from keras_dtype_policy.registration import register
 from keras_dtype_policy.validation import check_positive_int
@@ -237,8 +238,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         return list(new_trainables), own_values + list(new_inner_values)
 
-    def _common_apply(self, grads, trainable_variables=None):
-        finite = self.check_finite(grads)
+    def _tf_apply(self, grads, trainable_variables=None):
+        # Under tf.distribute, all replicas agree on skipping a step.
+        tf_replicas.apply(self, grads, trainable_variables)
+
+    def _common_apply(self, grads, trainable_variables=None, finite=None):
+        if finite is None:
+            finite = self.check_finite(grads)
         if not is_concrete(finite):
             ops.cond(
                 finite,

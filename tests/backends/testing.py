@@ -116,9 +116,15 @@ def reference_trajectory(
     backoff_factor=0.5,
     min_scale=1.0,
     max_scale=2.0**24,
+    counter=0,
+    skipped=0,
 ):
-    """The documented rule, step by step: [(scale, counter, skipped)]."""
-    scale, counter, skipped, states = initial_scale, 0, 0, []
+    """The documented rule, step by step: [(scale, counter, skipped)].
+
+    `counter` and `skipped` are the state before the first step (a restored
+    optimizer's, say).
+    """
+    scale, states = initial_scale, []
     for kind in kinds:
         if kind == FINITE:
             counter += 1
