@@ -20,6 +20,7 @@ from testing import BACKEND
 from testing import FINITE
 from testing import NAN
 from testing import reference_trajectory
+from testing import run_readme_example
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "tensorflow",
@@ -263,3 +264,19 @@ def test_two_workers_save_and_load_keep_policies_and_state(workers, case):
         strict=True,
     ):
         np.testing.assert_array_equal(first, second)
+
+
+def test_the_readme_example_trains_under_the_strategy():
+    # In this process TensorFlow has one CPU, so MirroredStrategy() has one
+    # replica; the workers above cover several.
+    namespace, printed = run_readme_example("tensorflow", kind="distributed")
+    model = namespace["model"]
+    assert isinstance(
+        namespace["strategy"], namespace["tf"].distribute.Strategy
+    )
+    name, scale = printed.split()[-2:]
+    assert name == "LossScaleOptimizer"
+    assert float(scale) == model.optimizer.loss_scale
+    optimizer = model.optimizer
+    assert int(optimizer.iterations.numpy()) + optimizer.skipped_steps == 32
+    assert all(np.all(np.isfinite(w.numpy())) for w in model.weights)

@@ -75,20 +75,21 @@ def classification_data(num_samples=64, seed=0):
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
-def readme_example(tag):
-    """Returns the Python block that follows `<!-- custom-loop: tag -->`."""
+def readme_example(tag, kind="custom-loop"):
+    """Returns the Python block that follows `<!-- kind: tag -->`."""
     text = README.read_text()
-    marker = f"<!-- custom-loop: {tag} -->"
+    marker = f"<!-- {kind}: {tag} -->"
     start = text.index("```python\n", text.index(marker)) + len("```python\n")
     return text[start : text.index("```", start)]
 
 
-def run_readme_example(tag):
+def run_readme_example(tag, kind="custom-loop"):
     """Runs a README example; returns its namespace and printed output."""
     namespace = {"__name__": f"readme_{tag}"}
     output = io.StringIO()
+    source = readme_example(tag, kind)
     with contextlib.redirect_stdout(output):
-        exec(compile(readme_example(tag), f"README:{tag}", "exec"), namespace)
+        exec(compile(source, f"README:{kind}:{tag}", "exec"), namespace)
     return namespace, output.getvalue()
 
 
