@@ -200,3 +200,15 @@ def test_subclassed_model_reloads_with_its_optimizer(tmp_path):
         + loaded.optimizer.skipped_steps
         == 1
     )
+
+
+def test_jit_compile_is_kept_on_one_replica():
+    # Only several tf.distribute replicas turn XLA off (see
+    # test_distribution_tensorflow.py); one device keeps what was asked.
+    model = mlp("mixed_float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile("sgd", "mse", jit_compile=True)
+    assert is_loss_scaled(model)
+    assert model.jit_compile is True
+    assert not [w for w in caught if "jit_compile" in str(w.message)]
