@@ -1,0 +1,332 @@
+"""Loss scaling under `keras.distribution.DataParallel` on JAX.
+
+Two engines, each run by `jax_distribution_worker.py` in processes of its
+own (the device count must be set before JAX is imported): `local`, one
+process with two forced host devices, and `multi`, two processes of two
+devices each joined over loopback with `jax.distributed.initialize`. Every
+policy and scale mode is checked against a single-device run on the same
+global batches, one of which holds a NaN sample in one replica's shard.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from testing import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="keras.distribution.DataParallel across devices and processes "
+    "is tested on the JAX backend only",
+)
+
+WORKER = pathlib.Path(__file__).with_name("jax_distribution_worker.py")
+# Each worker stops by itself (its join times out after 60 s); this bounds
+# a worker that hangs anyway.
+TIMEOUT = 300
+ENGINES = {"local": [0], "multi": [0, 1]}
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
+MODES = ["dynamic", "fixed"]
+# Largest |DataParallel - single device| allowed on any weight after the
+# 8 steps. DataParallel sums each replica's part of a gradient on its own
+# device and then adds the parts across devices; one device sums the whole
+# batch in one order. In float16 (11 significant bits) and bfloat16 (8)
+# the two orders round differently, and Adam's normalisation carries small
+# gradient differences into the updates. Measured: float16 3.3e-5 (two
+# devices) and 4.9e-5 (two processes); bfloat16 2.2e-4 and 2.0e-4. The
+# tolerances leave a tenfold margin and stay well below one Adam step
+# (learning rate 1e-2): a step applied or skipped in the wrong place fails.
+TOLERANCE = {"mixed_float16": 5e-4, "mixed_bfloat16": 2e-3}
+
+
+def free_port():
+    """Returns a loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs both engines at once; returns the output dir and any failures."""
+    out = tmp_path_factory.mktemp("jax_distribution")
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        # A loaded model compiles what the saved one did: cache it.
+        JAX_COMPILATION_CACHE_DIR=str(out / "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    port = str(free_port())
+    commands = {
+        "local": [["local", str(out)]],
+        "multi": [["multi", str(out), port, str(i)] for i in ENGINES["multi"]],
+    }
+    processes = {
+        engine: [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for args in engine_commands
+        ]
+        for engine, engine_commands in commands.items()
+    }
+    deadline = time.monotonic() + TIMEOUT
+    failures = {}
+    for engine, engine_processes in processes.items():
+        for process_id, process in enumerate(engine_processes):
+            try:
+                _, stderr = process.communicate(
+                    timeout=max(deadline - time.monotonic(), 1)
+                )
+            except subprocess.TimeoutExpired:
+                process.kill()
+                _, stderr = process.communicate()
+                stderr += f"\nkilled after {TIMEOUT} s"
+            if process.returncode != 0:
+                failures.setdefault(engine, []).append(
+                    f"process {process_id} exited with {process.returncode}:"
+                    f"\n{stderr[-3000:]}"
+                )
+    return out, failures
+
+
+def load(runs, engine):
+    """Returns the output dir, failing if the engine's processes failed."""
+    out, failures = runs
+    assert engine not in failures, "\n".join(failures[engine])
+    return out
+
+
+def result(out, engine, policy, mode, process_id=0):
+    """Returns one run's JSON record and its arrays."""
+    stem = out / f"{engine}_{policy}_{mode}_p{process_id}"
+    with open(f"{stem}.json") as f:
+        record = json.load(f)
+    return record, dict(np.load(f"{stem}.npz"))
+
+
+def setup(out, engine, process_id=0):
+    """Returns the setup a worker process wrote when it finished."""
+    with open(out / f"{engine}_p{process_id}.json") as f:
+        return json.load(f)
+
+
+def expected_states(dynamic, config, steps):
+    """The (scale, counter, skipped, iterations) after each step, by rule.
+
+    Only step `nan_step` has non-finite gradients; defaults of the
+    optimizer otherwise (growth 2, backoff 0.5, scale in [1, 2**24]).
+    """
+    scale, counter, skipped, iterations = config["initial_scale"], 0, 0, 0
+    states = []
+    for step in range(steps):
+        if step == config["nan_step"]:
+            skipped += 1
+            counter = 0
+            if dynamic:
+                scale = max(scale * 0.5, 1.0)
+        else:
+            iterations += 1
+            counter += 1
+            if dynamic and counter >= config["growth_steps"]:
+                scale = min(scale * 2.0, 2.0**24)
+                counter = 0
+        states.append((scale, counter, skipped, iterations))
+    return states
+
+
+def keys(arrays, prefix):
+    """Returns the names `PREFIXi` of the saved variables, sorted."""
+    return sorted(
+        k
+        for k in arrays
+        if k.startswith(prefix)
+        and not k.endswith("_copies")
+        and k[len(prefix) :].isdigit()
+    )
+
+
+parametrize = pytest.mark.parametrize(
+    "engine, policy, mode",
+    [
+        (engine, policy, mode)
+        for engine in ENGINES
+        for policy in POLICIES
+        for mode in MODES
+    ],
+)
+
+
+def test_engines_span_the_expected_devices(runs):
+    local = setup(load(runs, "local"), "local")
+    assert local["process_count"] == 1
+    assert len(local["devices"]) == 2
+    out = load(runs, "multi")
+    multi = [setup(out, "multi", i) for i in ENGINES["multi"]]
+    for config in multi:
+        assert config["process_count"] == 2
+        assert len(config["devices"]) == 4
+        assert len(config["local_devices"]) == 2
+    assert set(multi[0]["local_devices"]).isdisjoint(multi[1]["local_devices"])
+
+
+@parametrize
+def test_weights_match_the_single_device_run(runs, engine, policy, mode):
+    out = load(runs, engine)
+    load(runs, "local")  # the reference
+    _, reference = result(out, "single", policy, mode)
+    tolerance = TOLERANCE[policy]
+    names = keys(reference, "weight_")
+    assert len(names) == 6
+    moved = max(
+        np.max(np.abs(reference[k] - reference[f"initial_{k}"])) for k in names
+    )
+    assert moved > 5 * tolerance  # training moved the weights far enough
+    for process_id in ENGINES[engine]:
+        _, arrays = result(out, engine, policy, mode, process_id)
+        for name in names:
+            # Same start: the seed gives every run the same initial weights.
+            np.testing.assert_array_equal(
+                arrays[f"initial_{name}"], reference[f"initial_{name}"]
+            )
+            np.testing.assert_allclose(
+                arrays[name],
+                reference[name],
+                rtol=0,
+                atol=tolerance,
+                err_msg=f"{name} of process {process_id}",
+            )
+
+
+@parametrize
+def test_replicas_hold_identical_finite_copies(runs, engine, policy, mode):
+    out = load(runs, engine)
+    per_process = [
+        result(out, engine, policy, mode, i)[1] for i in ENGINES[engine]
+    ]
+    names = keys(per_process[0], "weight_") + keys(per_process[0], "optimizer_")
+    # The scale, its counter and the skipped steps are among the optimizer
+    # variables (with the inner optimizer's iterations and moments).
+    assert len(names) > 6 + 3
+    for arrays in per_process:
+        for name in names:
+            copies = arrays[f"{name}_copies"]
+            assert len(copies) == 2, name  # one per local device
+            assert np.all(np.isfinite(copies)), name
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0], err_msg=name)
+    for arrays in per_process[1:]:
+        for name in names:
+            np.testing.assert_array_equal(
+                arrays[name], per_process[0][name], err_msg=name
+            )
+
+
+@parametrize
+def test_nan_on_one_replica_skips_the_step_everywhere(
+    runs, engine, policy, mode
+):
+    out = load(runs, engine)
+    load(runs, "local")
+    config = setup(out, engine)
+    reference, _ = result(out, "single", policy, mode)
+    records = [result(out, engine, policy, mode, i)[0] for i in ENGINES[engine]]
+    # Exactly one device, of all processes', got the NaN sample.
+    nan_in_shards = {}
+    for record in records:
+        nan_in_shards.update(record["nan_in_shards"])
+    assert len(nan_in_shards) == len(config["devices"])
+    assert sum(nan_in_shards.values()) == 1
+
+    expected = expected_states(mode == "dynamic", config, config["steps"])
+    scale = [s for s, _, _, _ in expected]
+    got_reference = [step["loss_scale"][0] for step in reference["steps"]]
+    assert got_reference == scale
+    for record in records:
+        assert len(record["steps"]) == config["steps"]
+        for step, (want, got) in enumerate(
+            zip(expected, record["steps"], strict=True)
+        ):
+            for key, value in zip(
+                (
+                    "loss_scale",
+                    "dynamic_counter",
+                    "skipped_steps",
+                    "iterations",
+                ),
+                want,
+                strict=True,
+            ):
+                # Every local copy, after every step, follows the rule.
+                assert got[key] == [value] * 2, (step, key)
+        assert record["final"]["skipped_steps"] == 1
+        assert record["final"]["loss_scale"] == scale[-1]
+        assert record["final"] == {
+            **reference["final"],
+            "devices": record["final"]["devices"],
+        }
+    if mode == "dynamic":
+        # The scale halved once, at the NaN step, and only there.
+        nan_step = config["nan_step"]
+        assert scale[nan_step] == scale[nan_step - 1] / 2
+    else:
+        assert set(scale) == {config["initial_scale"]}
+
+
+@parametrize
+def test_save_and_load_keep_policies_and_scale_state(
+    runs, engine, policy, mode
+):
+    out = load(runs, engine)
+    config = setup(out, engine)
+    expected = expected_states(mode == "dynamic", config, config["steps"] + 1)
+    for process_id in ENGINES[engine]:
+        record, arrays = result(out, engine, policy, mode, process_id)
+        final, loaded = record["final"], record["loaded"]
+        assert final["policies"] == [policy, policy, "float32"]
+        assert final["optimizer_type"] == (
+            "keras_dtype_policy.optimizer.LossScaleOptimizer"
+        )
+        assert final["dynamic"] is (mode == "dynamic")
+        assert loaded == final  # policies, type, scale state, devices
+        names = keys(arrays, "weight_") + keys(arrays, "optimizer_")
+        for name in names:
+            np.testing.assert_array_equal(
+                arrays[f"loaded_{name}"], arrays[name], err_msg=name
+            )
+            copies = arrays[f"loaded_{name}_copies"]
+            assert len(copies) == 2 and np.all(np.isfinite(copies)), name
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0], err_msg=name)
+        # One more step trains the loaded model as it does the original.
+        more = record["more_loaded"]
+        assert more == record["more_original"]
+        scale, counter, skipped, iterations = expected[-1]
+        assert (
+            more["loss_scale"],
+            more["dynamic_counter"],
+            more["skipped_steps"],
+            more["iterations"],
+        ) == (scale, counter, skipped, iterations)
+        for name in names:
+            np.testing.assert_array_equal(
+                arrays[f"more_loaded_{name}"],
+                arrays[f"more_original_{name}"],
+                err_msg=name,
+            )
+            assert np.all(np.isfinite(arrays[f"more_loaded_{name}_copies"]))
+        assert not np.array_equal(
+            arrays["more_loaded_weight_0"], arrays["loaded_weight_0"]
+        )
