@@ -19,6 +19,7 @@ per-step records), and OUT_DIR/ENGINE_pID.json (the setup) comes last.
 Nothing is asserted here: the tests read the files.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -26,8 +27,12 @@ import warnings
 
 DEVICES_PER_PROCESS = 2
 NUM_PROCESSES = 2
-# Each process stops by itself: joining gives up after this many seconds.
+# Each process stops by itself: joining gives up after this many seconds,
+# and a process still running after TIME_LIMIT seconds (a peer gone, a
+# collective stuck) prints its stack and exits.
 INIT_TIMEOUT = 60
+TIME_LIMIT = 280
+faulthandler.dump_traceback_later(TIME_LIMIT, exit=True)
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = (
@@ -286,3 +291,4 @@ def main(argv):
 
 if __name__ == "__main__":
     main(sys.argv)
+    faulthandler.cancel_dump_traceback_later()
