@@ -202,10 +202,7 @@ def _run_inspect(args):
         report = model_report.build_report(args.model)
     except ModelFileError as error:
         raise CommandError(str(error)) from None
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print("\n".join(model_report.format_report(report)))
+    _print_report(report, model_report.format_report, args.json)
 
 
 def _run_migrate(args):
@@ -226,10 +223,15 @@ def _run_doctor(args):
         report = doctor.build_report()
     except RuntimeError as error:
         raise CommandError(str(error)) from None
-    if args.json:
+    _print_report(report, doctor.format_report, args.json)
+
+
+def _print_report(report, format_report, as_json):
+    """Prints `report` as JSON, or as the lines `format_report` makes."""
+    if as_json:
         print(json.dumps(report, indent=2))
     else:
-        print("\n".join(doctor.format_report(report)))
+        print("\n".join(format_report(report)))
 
 
 def _positive_int(text):
