@@ -191,19 +191,20 @@ def test_state_lives_in_optimizer_variables():
     assert own[0].path.startswith("lso/")
 
 
+def _small_optimizer(dynamic):
+    return LossScaleOptimizer(
+        keras.optimizers.Adam(0.01),
+        dynamic=dynamic,
+        initial_scale=256,
+        dynamic_growth_steps=2,
+    )
+
+
 def _trained_model(dynamic):
     model = keras.Sequential(
         [keras.Input((3,)), keras.layers.Dense(2, dtype="mixed_float16")]
     )
-    model.compile(
-        LossScaleOptimizer(
-            keras.optimizers.Adam(0.01),
-            dynamic=dynamic,
-            initial_scale=256,
-            dynamic_growth_steps=2,
-        ),
-        "mse",
-    )
+    model.compile(_small_optimizer(dynamic), "mse")
     x = np.ones((4, 3), "float32")
     y = np.zeros((4, 2), "float32")
     for batch in [x, x, x * 1e6, x, x]:  # the third step overflows
@@ -226,15 +227,7 @@ def test_state_saved_in_weights_files_and_restored_exactly(dynamic, tmp_path):
     path = tmp_path / "model.weights.h5"
     model.save_weights(path)
     fresh = keras.models.clone_model(model)
-    fresh.compile(
-        LossScaleOptimizer(
-            keras.optimizers.Adam(0.01),
-            dynamic=dynamic,
-            initial_scale=256,
-            dynamic_growth_steps=2,
-        ),
-        "mse",
-    )
+    fresh.compile(_small_optimizer(dynamic), "mse")
     fresh.optimizer.build(fresh.trainable_variables)
     fresh.load_weights(path)
     assert state_of(fresh.optimizer) == state_of(optimizer)
