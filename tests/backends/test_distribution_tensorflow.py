@@ -13,6 +13,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,35 +73,62 @@ def mirrored(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("multiworker")
+    # The ports are free when chosen, but another program may take one
+    # before a worker binds it: then, and only then, try new ones.
+    for _attempt in range(3):
+        out_dir = tmp_path_factory.mktemp("multiworker")
+        logs = run_two_workers(out_dir)
+        if not any(PORT_TAKEN in log for log in logs):
+            break
+    for index, log in enumerate(logs):
+        assert (out_dir / f"multiworker-{index}.npz").exists(), log[-4000:]
+    return [
+        dict(np.load(out_dir / f"multiworker-{index}.npz"))
+        for index in range(2)
+    ]
+
+
+PORT_TAKEN = "Could not start gRPC server"
+
+
+def run_two_workers(out_dir):
+    """Runs the two workers to their end; returns what each printed."""
     addresses = [f"localhost:{port}" for port in free_ports(2)]
-    processes = []
+    processes, logs = [], []
     for index in range(2):
         tf_config = {
             "cluster": {"worker": addresses},
             "task": {"type": "worker", "index": index},
         }
+        log = open(out_dir / f"worker-{index}.log", "w+")
+        logs.append(log)
         processes.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), "multiworker", str(out_dir)],
                 env=dict(ENV, TF_CONFIG=json.dumps(tf_config)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         )
-    for process in processes:
-        try:
-            _, stderr = process.communicate(timeout=420)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-        assert process.returncode == 0, stderr[-4000:]
-    return [
-        dict(np.load(out_dir / f"multiworker-{index}.npz"))
-        for index in range(2)
-    ]
+    # Each worker stops itself after 240 s (see the worker); once one
+    # fails, the other would wait for it in vain.
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if all(code is not None for code in codes) or any(codes):
+                break
+            time.sleep(0.5)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return texts
 
 
 def expected_states(case, **state_before):
