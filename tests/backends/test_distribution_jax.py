@@ -69,16 +69,21 @@ def runs(tmp_path_factory):
         "local": [["local", str(out)]],
         "multi": [["multi", str(out), port, str(i)] for i in ENGINES["multi"]],
     }
+    # stderr goes to files: a pipe nobody reads yet could fill and stall a
+    # worker while the fixture waits for another one.
+    logs = {
+        engine: [open(out / f"{engine}_{i}.log", "w") for i in range(len(c))]
+        for engine, c in commands.items()
+    }
     processes = {
         engine: [
             subprocess.Popen(
                 [sys.executable, str(WORKER), *args],
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
+                stderr=log,
             )
-            for args in engine_commands
+            for args, log in zip(engine_commands, logs[engine], strict=True)
         ]
         for engine, engine_commands in commands.items()
     }
@@ -86,14 +91,15 @@ def runs(tmp_path_factory):
     failures = {}
     for engine, engine_processes in processes.items():
         for process_id, process in enumerate(engine_processes):
+            killed = ""
             try:
-                _, stderr = process.communicate(
-                    timeout=max(deadline - time.monotonic(), 1)
-                )
+                process.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
                 process.kill()
-                _, stderr = process.communicate()
-                stderr += f"\nkilled after {TIMEOUT} s"
+                process.wait()
+                killed = f"\nkilled after {TIMEOUT} s"
+            logs[engine][process_id].close()
+            stderr = (out / f"{engine}_{process_id}.log").read_text() + killed
             if process.returncode != 0:
                 failures.setdefault(engine, []).append(
                     f"process {process_id} exited with {process.returncode}:"
