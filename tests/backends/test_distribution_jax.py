@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import run_readme_example
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax",
@@ -336,3 +338,26 @@ def test_save_and_load_keep_policies_and_scale_state(
         assert not np.array_equal(
             arrays["more_loaded_weight_0"], arrays["loaded_weight_0"]
         )
+
+
+def test_the_readme_example_trains_under_data_parallel(tmp_path, monkeypatch):
+    # This process has one CPU device, so DataParallel has one replica; the
+    # workers above cover several.
+    monkeypatch.chdir(tmp_path)
+    try:
+        namespace, printed = run_readme_example("jax", kind="distributed")
+    finally:
+        keras.distribution.set_distribution(None)
+    model = namespace["model"]
+    name, scale = printed.split()[-2:]
+    assert name == "LossScaleOptimizer"
+    assert float(scale) == model.optimizer.loss_scale
+    optimizer = model.optimizer
+    assert int(optimizer.iterations.numpy()) + optimizer.skipped_steps == 32
+    assert (tmp_path / "model.keras").exists()
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.loss_scale == optimizer.loss_scale
+    assert [layer.dtype_policy.name for layer in loaded.layers] == [
+        "mixed_float16",
+        "float32",
+    ]
