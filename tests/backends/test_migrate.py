@@ -5,7 +5,6 @@ classes still need the package imported) and predict exactly what the
 original predicts once loaded with them, on the backend of this run.
 """
 
-import io
 import json
 import pathlib
 import warnings
@@ -14,6 +13,7 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from testing import keras_file_with_dtype
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -166,28 +166,10 @@ def test_a_keras_3_file_needs_no_changes(tmp_path):
         assert "  none" in migrate.format_migration(result)
 
 
-def _with_dtype(dtype, path):
-    """A Keras 3 .keras file whose Dense layer has `dtype` as its dtype."""
-    model = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(3, name="dense")]
-    )
-    model.save(path)
-    with zipfile.ZipFile(path) as archive:
-        members = {name: archive.read(name) for name in archive.namelist()}
-    config = json.loads(members["config.json"])
-    config["config"]["layers"][1]["config"]["dtype"] = dtype
-    members["config.json"] = json.dumps(config).encode()
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    path.write_bytes(buffer.getvalue())
-
-
 def test_dropped_loss_scales_are_listed(tmp_path):
     forms = json.loads((FIXTURES / "legacy_layer_configs.json").read_text())
     form = next(f for f in forms if f["id"] == "policy_v1_fixed_loss_scale")
-    _with_dtype(form["config"]["dtype"], tmp_path / "old.keras")
+    keras_file_with_dtype(form["config"]["dtype"], tmp_path / "old.keras")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         result = migrate.migrate(tmp_path / "old.keras", tmp_path / "new.keras")

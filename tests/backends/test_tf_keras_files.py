@@ -6,17 +6,16 @@ save time. Predictions are compared within 8 ulps of the layers' compute
 dtype: float16 and bfloat16 arithmetic differs between backends.
 """
 
-import io
 import json
 import pathlib
 import warnings
-import zipfile
 
 import h5py
 import keras
 import numpy as np
 import pytest
 from testing import dtype_of
+from testing import keras_file_with_dtype
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -192,24 +191,6 @@ def test_legacy_layer_configs_load_through_from_config(form):
     assert dtype_of(y) == layer.compute_dtype
 
 
-def _keras_file_with_dtype(dtype, path):
-    model = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(3, name="dense")]
-    )
-    model.save(path)
-    with zipfile.ZipFile(path) as archive:
-        members = {name: archive.read(name) for name in archive.namelist()}
-    config = json.loads(members["config.json"])
-    config["config"]["layers"][1]["config"]["dtype"] = dtype
-    members["config.json"] = json.dumps(config).encode()
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    path.write_bytes(buffer.getvalue())
-    return model
-
-
 def _h5_file_with_dtype(dtype, path):
     model = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(3, name="dense")]
@@ -239,7 +220,7 @@ def test_legacy_dtype_forms_load_through_load_model(form_id, suffix, tmp_path):
     dtype = _form(form_id)["config"]["dtype"]
     path = tmp_path / f"model{suffix}"
     writer = (
-        _keras_file_with_dtype if suffix == ".keras" else _h5_file_with_dtype
+        keras_file_with_dtype if suffix == ".keras" else _h5_file_with_dtype
     )
     original = writer(dtype, path)
     with warnings.catch_warnings():
@@ -264,7 +245,7 @@ def test_null_and_infer_forms_load_through_load_model(
     dtype = _form(form_id)["config"]["dtype"]
     path = tmp_path / f"model{suffix}"
     writer = (
-        _keras_file_with_dtype if suffix == ".keras" else _h5_file_with_dtype
+        keras_file_with_dtype if suffix == ".keras" else _h5_file_with_dtype
     )
     writer(dtype, path)
     kdp.set_dtype_policy("mixed_bfloat16")

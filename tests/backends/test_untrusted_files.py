@@ -1,14 +1,13 @@
 """Untrusted and broken inputs: nothing runs, nothing half-loads."""
 
-import io
 import json
 import sys
 import warnings
-import zipfile
 
 import h5py
 import keras
 import pytest
+from testing import rewrite_keras_archive
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import LossScaleOptimizer
@@ -90,17 +89,6 @@ def _saved_model(tmp_path, suffix):
     return path
 
 
-def _rewrite_archive(path, change):
-    with zipfile.ZipFile(path) as archive:
-        members = {name: archive.read(name) for name in archive.namelist()}
-    change(members)
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    path.write_bytes(buffer.getvalue())
-
-
 def _truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -127,12 +115,12 @@ def _truncated_weights(members):
         (".keras", _truncate),
         (".h5", _truncate),
         (".keras", lambda p: p.write_bytes(b"not a model")),
-        (".keras", lambda p: _rewrite_archive(p, _wrong_layers)),
-        (".keras", lambda p: _rewrite_archive(p, _missing_weights)),
-        (".keras", lambda p: _rewrite_archive(p, _truncated_weights)),
+        (".keras", lambda p: rewrite_keras_archive(p, _wrong_layers)),
+        (".keras", lambda p: rewrite_keras_archive(p, _missing_weights)),
+        (".keras", lambda p: rewrite_keras_archive(p, _truncated_weights)),
         (
             ".keras",
-            lambda p: _rewrite_archive(
+            lambda p: rewrite_keras_archive(
                 p, lambda m: m.update({"config.json": b"[]"})
             ),
         ),
@@ -165,7 +153,7 @@ def test_a_file_missing_one_layers_weights_is_refused(tmp_path):
             del f["layers/dense_1"]
         members["model.weights.h5"] = weights.read_bytes()
 
-    _rewrite_archive(path, drop_a_layer)
+    rewrite_keras_archive(path, drop_a_layer)
     with pytest.raises(ValueError, match="could not be loaded"):
         keras.saving.load_model(path)
 

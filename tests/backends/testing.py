@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import pathlib
+import zipfile
 
 import keras
 import numpy as np
@@ -70,6 +71,40 @@ def classification_data(num_samples=64, seed=0):
     x = rng.normal(size=(num_samples, 6)).astype("float32")
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
     return x, y
+
+
+def rewrite_keras_archive(path, change):
+    """Rewrites the .keras file at `path`; `change` edits its members.
+
+    `change` gets a dict of member name to bytes and changes it in place.
+    """
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    change(members)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    path.write_bytes(buffer.getvalue())
+
+
+def keras_file_with_dtype(dtype, path):
+    """Saves a .keras file whose Dense layer's dtype config is `dtype`.
+
+    Returns the model that was saved (before the rewrite).
+    """
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3, name="dense")]
+    )
+    model.save(path)
+
+    def set_dtype(members):
+        config = json.loads(members["config.json"])
+        config["config"]["layers"][1]["config"]["dtype"] = dtype
+        members["config.json"] = json.dumps(config).encode()
+
+    rewrite_keras_archive(path, set_dtype)
+    return model
 
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
