@@ -5,25 +5,25 @@ installs its compile hook (see `install` and `uninstall`).
 """
 
 from keras_dtype_policy import experimental
-from keras_dtype_policy import legacy_policy_configs  # noqa: F401
-from keras_dtype_policy.callbacks import LossScaleMonitor
-from keras_dtype_policy.global_policy import dtype_policy
-from keras_dtype_policy.global_policy import policy_scope
-from keras_dtype_policy.global_policy import set_dtype_policy
-from keras_dtype_policy.hardware import SlowFloat16Warning
-from keras_dtype_policy.legacy_policy import Policy
-from keras_dtype_policy.legacy_policy import global_policy
-from keras_dtype_policy.legacy_policy import set_policy
-from keras_dtype_policy.loss_scale import DynamicLossScale
-from keras_dtype_policy.loss_scale import FixedLossScale
-from keras_dtype_policy.loss_scale import LossScale
-from keras_dtype_policy.loss_scale import get_loss_scale
-from keras_dtype_policy.optimizer import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling.callbacks import LossScaleMonitor
+from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
+from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
+from keras_dtype_policy.loss_scaling.loss_scale import LossScale
+from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.patches import install
 from keras_dtype_policy.patches import is_installed
 from keras_dtype_policy.patches import uninstall
-from keras_dtype_policy.policy import DTypePolicy
-from keras_dtype_policy.tf_keras_bridge import model_from_json
+from keras_dtype_policy.policies.global_policy import dtype_policy
+from keras_dtype_policy.policies.global_policy import policy_scope
+from keras_dtype_policy.policies.global_policy import set_dtype_policy
+from keras_dtype_policy.policies.hardware import SlowFloat16Warning
+from keras_dtype_policy.policies.policy import DTypePolicy
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
+from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
+from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
+from keras_dtype_policy.tf_keras_compat.legacy_policy import global_policy
+from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """`python -m keras_dtype_policy`: the command-line tool."""
 
-from keras_dtype_policy.cli import main
+from keras_dtype_policy.tools.cli import main
 
 raise SystemExit(main())

@@ -15,9 +15,9 @@ from keras.src.ops.operation import Operation
 from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
-from keras_dtype_policy import compile_hook
-from keras_dtype_policy import policy_deserialization
-from keras_dtype_policy import tf_keras_bridge
+from keras_dtype_policy.loss_scaling import compile_hook
+from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
+from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import pytest
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy import cli
-from keras_dtype_policy import hardware
+from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.tools import cli
 
 BACKEND = keras.backend.backend()
 FIXTURES = (

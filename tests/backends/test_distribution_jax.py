@@ -305,7 +305,7 @@ def test_save_and_load_keep_policies_and_scale_state(
         final, loaded = record["final"], record["loaded"]
         assert final["policies"] == [policy, policy, "float32"]
         assert final["optimizer_type"] == (
-            "keras_dtype_policy.optimizer.LossScaleOptimizer"
+            "keras_dtype_policy.loss_scaling.optimizer.LossScaleOptimizer"
         )
         assert final["dynamic"] is (mode == "dynamic")
         assert loaded == final  # policies, type, scale state, devices

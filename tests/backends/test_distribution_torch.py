@@ -235,7 +235,7 @@ def test_saved_ranks_reload_with_policies_and_scale_state(
             assert loaded == saved, name
             assert loaded["policies"] == [policy, "float32"], name
             assert loaded["optimizer"] == (
-                "keras_dtype_policy.optimizer.LossScaleOptimizer"
+                "keras_dtype_policy.loss_scaling.optimizer.LossScaleOptimizer"
             )
             assert loaded["dynamic"] == (scaling == "dynamic"), name
             trained = load(runs, name)

@@ -10,8 +10,8 @@ import keras
 import pytest
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy import hardware
-from keras_dtype_policy.hardware import Device
+from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies.hardware import Device
 
 BACKEND = keras.backend.backend()
 

@@ -18,8 +18,8 @@ from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import LossScale
 from keras_dtype_policy import Policy
 from keras_dtype_policy import get_loss_scale
-from keras_dtype_policy import policy_names
-from keras_dtype_policy.legacy_policy import INFER_POLICIES
+from keras_dtype_policy.policies import names as policy_names
+from keras_dtype_policy.tf_keras_compat.legacy_policy import INFER_POLICIES
 
 SETTINGS = settings(
     max_examples=100,

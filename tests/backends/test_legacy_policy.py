@@ -14,7 +14,7 @@ from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import DynamicLossScale
 from keras_dtype_policy import FixedLossScale
 from keras_dtype_policy import Policy
-from keras_dtype_policy import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 
 @pytest.fixture(autouse=True)

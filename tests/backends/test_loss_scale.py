@@ -7,8 +7,8 @@ import pytest
 from keras_dtype_policy import DynamicLossScale
 from keras_dtype_policy import FixedLossScale
 from keras_dtype_policy import get_loss_scale
-from keras_dtype_policy.loss_scale import deserialize_loss_scale
-from keras_dtype_policy.loss_scale import serialize_loss_scale
+from keras_dtype_policy.loss_scaling.loss_scale import deserialize_loss_scale
+from keras_dtype_policy.loss_scaling.loss_scale import serialize_loss_scale
 
 
 def test_fixed_loss_scale():

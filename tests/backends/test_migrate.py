@@ -18,9 +18,10 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import LossScaleOptimizer
-from keras_dtype_policy import legacy_policy_configs
-from keras_dtype_policy import migrate
-from keras_dtype_policy.model_files import ModelFileError
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import migrate
+from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
+from keras_dtype_policy.tools.migration_report import format_migration
 
 FIXTURES = (
     pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
@@ -163,7 +164,7 @@ def test_a_keras_3_file_needs_no_changes(tmp_path):
         ]
     else:
         assert changes == []
-        assert "  none" in migrate.format_migration(result)
+        assert "  none" in format_migration(result)
 
 
 def test_dropped_loss_scales_are_listed(tmp_path):
@@ -177,7 +178,7 @@ def test_dropped_loss_scales_are_listed(tmp_path):
     line = result.dropped_loss_scales[0]
     assert line.startswith("dense: PolicyV1(mixed_float16, loss_scale=")
     assert "FixedLossScale" in line
-    lines = migrate.format_migration(result)
+    lines = format_migration(result)
     assert lines[lines.index("loss scales dropped:") + 1] == f"  {line}"
 
 

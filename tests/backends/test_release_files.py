@@ -13,9 +13,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from testing import to_numpy
 
 import keras_dtype_policy as kdp
-from testing import to_numpy
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 RELEASE_0_1_0 = FIXTURES / "release_0_1_0"

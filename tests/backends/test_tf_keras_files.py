@@ -21,7 +21,7 @@ from testing import to_numpy
 import keras_dtype_policy as kdp
 from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import LossScaleOptimizer
-from keras_dtype_policy import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 FIXTURES = (
     pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"

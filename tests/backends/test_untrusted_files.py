@@ -12,8 +12,8 @@ from testing import rewrite_keras_archive
 import keras_dtype_policy as kdp
 from keras_dtype_policy import LossScaleOptimizer
 from keras_dtype_policy import Policy
-from keras_dtype_policy import config_translation
 from keras_dtype_policy import get_loss_scale
+from keras_dtype_policy.tf_keras_compat import config_translation
 
 SENTINEL = "kdp_sentinel_module"
 

@@ -4,7 +4,7 @@ import json
 
 import keras
 
-from keras_dtype_policy import config_translation
+from keras_dtype_policy.tf_keras_compat import config_translation
 
 
 def model_from_json(json_string, custom_objects=None):

@@ -4,9 +4,9 @@ import importlib.metadata
 
 import keras
 
-from keras_dtype_policy import hardware
-from keras_dtype_policy.tables import format_table
-from keras_dtype_policy.tables import wrap
+from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.tools.tables import format_table
+from keras_dtype_policy.tools.tables import wrap
 
 _BACKEND_DISTRIBUTIONS = {
     "jax": ("jax", "jaxlib"),

@@ -17,7 +17,7 @@ import zipfile
 
 import keras
 
-from keras_dtype_policy import config_translation
+from keras_dtype_policy.tf_keras_compat import config_translation
 
 KERAS_SUFFIXES = (".keras",)
 H5_SUFFIXES = (".h5", ".hdf5")

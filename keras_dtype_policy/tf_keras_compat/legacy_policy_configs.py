@@ -12,12 +12,12 @@ import warnings
 
 import keras
 
-from keras_dtype_policy.legacy_policy import INFER_POLICIES
-from keras_dtype_policy.legacy_policy import Policy
-from keras_dtype_policy.loss_scale import get_loss_scale
-from keras_dtype_policy.policy import DTypePolicy
-from keras_dtype_policy.registration import PACKAGE
-from keras_dtype_policy.registration import registered_name
+from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.policies.policy import DTypePolicy
+from keras_dtype_policy.policies.registration import PACKAGE
+from keras_dtype_policy.policies.registration import registered_name
+from keras_dtype_policy.tf_keras_compat.legacy_policy import INFER_POLICIES
+from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
 
 _LEGACY_CLASS_NAMES = ("Policy", "PolicyV1")
 # Dropped loss scales already reported in this process.

@@ -7,8 +7,8 @@ they describe.
 
 import numbers
 
-from keras_dtype_policy.validation import check_positive_int
-from keras_dtype_policy.validation import check_positive_number
+from keras_dtype_policy.policies.validation import check_positive_int
+from keras_dtype_policy.policies.validation import check_positive_number
 
 
 class LossScale:

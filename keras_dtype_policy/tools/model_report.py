@@ -9,11 +9,13 @@ import re
 import keras
 import numpy as np
 
-from keras_dtype_policy import model_files
-from keras_dtype_policy.optimizer import LossScaleOptimizer
-from keras_dtype_policy.tables import format_bytes
-from keras_dtype_policy.tables import format_table
-from keras_dtype_policy.tables import wrap
+from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+from keras_dtype_policy.policies.introspection import public_class_name
+from keras_dtype_policy.policies.introspection import sublayers
+from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tools.tables import format_bytes
+from keras_dtype_policy.tools.tables import format_table
+from keras_dtype_policy.tools.tables import wrap
 
 LAYER_COLUMNS = (
     ("path", "layer"),
@@ -109,14 +111,6 @@ def layer_rows(model):
     return rows
 
 
-def sublayers(layer):
-    """Returns the layers that `layer` holds directly, in order."""
-    flatten = getattr(layer, "_flatten_layers", None)
-    if flatten is not None:
-        return list(flatten(include_self=False, recursive=False))
-    return list(getattr(layer, "layers", ()))
-
-
 def own_weights(layer):
     """Returns the weights of `layer` that none of its sublayers holds."""
     held = {id(w) for child in sublayers(layer) for w in child.weights}
@@ -180,27 +174,6 @@ def _loss_scale_state(optimizer):
         "loss_scale": _number(optimizer.dynamic_scale),
         "dynamic_counter": int(_number(optimizer.step_counter)),
     }
-
-
-def public_class_name(obj):
-    """Returns the public path of an object's class: `keras.layers.Dense`.
-
-    Keras' backend-specific subclasses (such as the torch backend's Adam)
-    are named by the public class they derive from.
-    """
-    for cls in type(obj).__mro__:
-        module = cls.__module__
-        if module.split(".")[0] == "keras_dtype_policy":
-            return f"keras_dtype_policy.{cls.__qualname__}"
-        if not module.startswith("keras."):
-            break
-        paths = vars(cls).get("_api_export_path")
-        if isinstance(paths, str):
-            return paths
-        if isinstance(paths, (list, tuple)) and paths:
-            return paths[0]
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def format_report(report):

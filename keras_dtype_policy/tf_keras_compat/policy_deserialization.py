@@ -2,10 +2,10 @@
 
 import keras
 
-from keras_dtype_policy import legacy_policy
-from keras_dtype_policy import legacy_policy_configs
-from keras_dtype_policy import policy_names
-from keras_dtype_policy.registration import PACKAGE
+from keras_dtype_policy.policies import names as policy_names
+from keras_dtype_policy.policies.registration import PACKAGE
+from keras_dtype_policy.tf_keras_compat import legacy_policy
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 
 def make_from_config(original_from_config):

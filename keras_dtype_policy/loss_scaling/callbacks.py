@@ -7,8 +7,8 @@ import warnings
 
 import keras
 
-from keras_dtype_policy.optimizer import LossScaleOptimizer
-from keras_dtype_policy.validation import check_positive_int
+from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+from keras_dtype_policy.policies.validation import check_positive_int
 
 TRAJECTORY_KEYS = ("step", "epoch", "loss_scale", "skipped", "loss")
 
@@ -183,7 +183,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self.plot_path is not None:
-            from keras_dtype_policy import plots
+            from keras_dtype_policy.loss_scaling import plots
 
             steps = self.trajectory["step"]
             loss_scale = None

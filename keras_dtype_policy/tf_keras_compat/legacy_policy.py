@@ -8,12 +8,12 @@ import warnings
 
 import keras
 
-from keras_dtype_policy import hardware
-from keras_dtype_policy import policy_names
-from keras_dtype_policy.loss_scale import get_loss_scale
-from keras_dtype_policy.loss_scale import serialize_loss_scale
-from keras_dtype_policy.policy import DTypePolicy
-from keras_dtype_policy.registration import register
+from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.loss_scaling.loss_scale import serialize_loss_scale
+from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies import names as policy_names
+from keras_dtype_policy.policies.policy import DTypePolicy
+from keras_dtype_policy.policies.registration import register
 
 # Infer policies: name -> variable dtype (None: the inferred dtype).
 INFER_POLICIES = {

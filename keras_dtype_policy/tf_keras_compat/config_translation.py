@@ -23,9 +23,11 @@ The rewrite never imports or calls anything a config names.
 import copy
 import re
 
-from keras_dtype_policy import legacy_policy_configs
-from keras_dtype_policy.inner_optimizer_config import without_tf_keras_keys
-from keras_dtype_policy.registration import registered_name
+from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
+    without_tf_keras_keys,
+)
+from keras_dtype_policy.policies.registration import registered_name
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 _TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
 _MODEL_CLASSES = {
@@ -98,7 +100,7 @@ def translate_optimizer_config(config):
                 inner_optimizer
             )
         return {
-            "module": "keras_dtype_policy.optimizer",
+            "module": "keras_dtype_policy.loss_scaling.optimizer",
             "class_name": "LossScaleOptimizer",
             "config": inner,
             "registered_name": "keras_dtype_policy>LossScaleOptimizer",
@@ -163,7 +165,7 @@ def _is_tf_keras_loss_scale_optimizer(config):
 
 
 def registered_name_of_ours():
-    from keras_dtype_policy.optimizer import LossScaleOptimizer
+    from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 
     return registered_name(LossScaleOptimizer)
 

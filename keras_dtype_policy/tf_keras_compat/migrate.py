@@ -17,15 +17,14 @@ import warnings
 import keras
 import numpy as np
 
-from keras_dtype_policy import config_translation
-from keras_dtype_policy import legacy_policy_configs
-from keras_dtype_policy import model_files
-from keras_dtype_policy.loss_scale import get_loss_scale
-from keras_dtype_policy.model_files import ModelFileError
-from keras_dtype_policy.model_report import public_class_name
-from keras_dtype_policy.model_report import sublayers
-from keras_dtype_policy.policy import DTypePolicy
-from keras_dtype_policy.tables import wrap
+from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.policies.introspection import public_class_name
+from keras_dtype_policy.policies.introspection import sublayers
+from keras_dtype_policy.policies.policy import DTypePolicy
+from keras_dtype_policy.tf_keras_compat import config_translation
+from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 
 _KERAS_POLICIES = (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
 _CLASS_KEYS = ("class_name", "module", "registered_name")
@@ -241,37 +240,6 @@ def verify(model, path):
                     "original's; the migration is incomplete"
                 )
     return len(model.weights), len(pairs[1][1]) if len(pairs) > 1 else 0
-
-
-def format_migration(migration):
-    """Returns the lines that `migrate` prints."""
-    source = migration.source
-    lines = [
-        f"migrated {source.path} ({source.writer}) -> {migration.target} "
-        f"(Keras {keras.__version__})",
-        "",
-        "changes:",
-    ]
-    lines += [f"  {change}" for change in migration.changes] or ["  none"]
-    lines += ["", "loss scales dropped:"]
-    lines += [f"  {line}" for line in migration.dropped_loss_scales] or [
-        "  none"
-    ]
-    if migration.notes:
-        lines += ["", "notes:"]
-        for note in migration.notes:
-            lines += wrap(note, bullet="  - ")
-    optimizer = (
-        f" and {migration.optimizer_values} optimizer values"
-        if migration.optimizer_values
-        else ""
-    )
-    lines += [
-        "",
-        f"checked: {migration.target} loads with the same "
-        f"{migration.weights} weights{optimizer}",
-    ]
-    return lines
 
 
 def _save(model, path):

@@ -5,10 +5,10 @@ import inspect
 
 import keras
 
-from keras_dtype_policy import tf_keras_optimizer_state
-from keras_dtype_policy import tf_replicas
-from keras_dtype_policy.loss_scale import DynamicLossScale
-from keras_dtype_policy.optimizer import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import tf_replicas
+from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
+from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 
 # Returned by `loss_scale_for_model` when the policy does not say.
 _UNSPECIFIED = object()
@@ -74,7 +74,7 @@ def choose_optimizer(model, optimizer):
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
-    tf_keras_optimizer_state.teach_tf_keras_layout(optimizer)
+    optimizer_state.teach_tf_keras_layout(optimizer)
     return wrap_optimizer(optimizer, loss_scale_for_model(model))
 
 

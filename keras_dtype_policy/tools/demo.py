@@ -12,15 +12,15 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_dtype_policy import measurement
-from keras_dtype_policy.callbacks import LossScaleMonitor
-from keras_dtype_policy.global_policy import policy_scope
-from keras_dtype_policy.model_report import dtype_bytes
-from keras_dtype_policy.model_report import layer_rows
-from keras_dtype_policy.model_report import public_class_name
-from keras_dtype_policy.tables import format_bytes
-from keras_dtype_policy.tables import format_table
-from keras_dtype_policy.tables import wrap
+from keras_dtype_policy.loss_scaling.callbacks import LossScaleMonitor
+from keras_dtype_policy.policies.global_policy import policy_scope
+from keras_dtype_policy.policies.introspection import public_class_name
+from keras_dtype_policy.tools import measurement
+from keras_dtype_policy.tools.model_report import dtype_bytes
+from keras_dtype_policy.tools.model_report import layer_rows
+from keras_dtype_policy.tools.tables import format_bytes
+from keras_dtype_policy.tools.tables import format_table
+from keras_dtype_policy.tools.tables import wrap
 
 BATCH_SIZE = 32
 TEST_FRACTION = 0.2
@@ -330,7 +330,7 @@ def activation_bytes(model, batch_size):
 
 def write_plot(path, runs):
     """Writes the PNG of the chosen run's loss scale and both runs' loss."""
-    from keras_dtype_policy import plots
+    from keras_dtype_policy.loss_scaling import plots
 
     chosen = runs[0]
     losses = {}

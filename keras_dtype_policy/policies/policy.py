@@ -5,8 +5,8 @@ import functools
 import keras
 import numpy as np
 
-from keras_dtype_policy import policy_names
-from keras_dtype_policy.registration import register
+from keras_dtype_policy.policies import names as policy_names
+from keras_dtype_policy.policies.registration import register
 
 # Keras' own classes for a plain (not quantized, not mapped) float policy.
 _KERAS_PLAIN_POLICIES = (

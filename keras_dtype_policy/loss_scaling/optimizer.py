@@ -3,13 +3,13 @@
 import keras
 from keras import ops
 
-from keras_dtype_policy import inner_optimizer_config
-from keras_dtype_policy import tf_keras_optimizer_state
-from keras_dtype_policy import tf_replicas
-from keras_dtype_policy.backend_utils import is_concrete
-from keras_dtype_policy.registration import register
-from keras_dtype_policy.validation import check_positive_int
-from keras_dtype_policy.validation import check_positive_number
+from keras_dtype_policy.loss_scaling import inner_optimizer_config
+from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import tf_replicas
+from keras_dtype_policy.loss_scaling.backend_utils import is_concrete
+from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.policies.validation import check_positive_int
+from keras_dtype_policy.policies.validation import check_positive_number
 
 
 @register
@@ -117,7 +117,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
             **kwargs,
         )
-        tf_keras_optimizer_state.teach_tf_keras_layout(inner_optimizer)
+        optimizer_state.teach_tf_keras_layout(inner_optimizer)
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -137,7 +137,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="none",
             name="skipped_steps",
         )
-        tf_keras_optimizer_state.apply_pending_values(self, self)
+        optimizer_state.apply_pending_values(self, self)
 
     def load_own_variables(self, store):
         """Loads this optimizer's state, also from a tf.keras 2 file.
@@ -145,9 +145,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         A tf.keras 2 file holds the inner optimizer's state only: it is
         loaded, and the scale starts from `initial_scale`.
         """
-        values = tf_keras_optimizer_state.store_values(store)
+        values = optimizer_state.store_values(store)
         if len(values) != len(self.variables) and self.built:
-            if tf_keras_optimizer_state.assign_optimizer_values(
+            if optimizer_state.assign_optimizer_values(
                 self.inner_optimizer, values
             ):
                 return
@@ -157,7 +157,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Sets all optimizer values, own and inner, or a tf.keras 2 set."""
         weights = list(weights)
         if not self.built:
-            tf_keras_optimizer_state.keep_pending_values(
+            optimizer_state.keep_pending_values(
                 self, weights, self.inner_optimizer.iterations
             )
             return
@@ -165,7 +165,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             for variable, weight in zip(self.variables, weights, strict=True):
                 variable.assign(weight)
             return
-        if not tf_keras_optimizer_state.assign_optimizer_values(
+        if not optimizer_state.assign_optimizer_values(
             self.inner_optimizer, weights
         ):
             raise ValueError(

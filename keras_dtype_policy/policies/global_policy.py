@@ -4,8 +4,8 @@ import contextlib
 
 import keras
 
-from keras_dtype_policy import hardware
-from keras_dtype_policy.policy import DTypePolicy
+from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies.policy import DTypePolicy
 
 
 def as_policy(policy, argument_name="policy"):

@@ -171,7 +171,7 @@ def main(argv=None):
 
 
 def _run_demo(args):
-    from keras_dtype_policy import hardware
+    from keras_dtype_policy.policies import hardware
 
     _require("sklearn", "the demo needs scikit-learn", "demo")
     policy = args.policy
@@ -184,7 +184,7 @@ def _run_demo(args):
     plot_path = None
     if args.plot is not None:
         plot_path = _check_plot_path(args.plot)
-    from keras_dtype_policy.demo import run_demo
+    from keras_dtype_policy.tools.demo import run_demo
 
     run_demo(
         policy=policy,
@@ -195,8 +195,8 @@ def _run_demo(args):
 
 
 def _run_inspect(args):
-    from keras_dtype_policy import model_report
-    from keras_dtype_policy.model_files import ModelFileError
+    from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
+    from keras_dtype_policy.tools import model_report
 
     try:
         report = model_report.build_report(args.model)
@@ -206,18 +206,19 @@ def _run_inspect(args):
 
 
 def _run_migrate(args):
-    from keras_dtype_policy import migrate
-    from keras_dtype_policy.model_files import ModelFileError
+    from keras_dtype_policy.tf_keras_compat import migrate
+    from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
+    from keras_dtype_policy.tools.migration_report import format_migration
 
     try:
         migration = migrate.migrate(args.old, args.new, overwrite=args.force)
     except ModelFileError as error:
         raise CommandError(str(error)) from None
-    print("\n".join(migrate.format_migration(migration)))
+    print("\n".join(format_migration(migration)))
 
 
 def _run_doctor(args):
-    from keras_dtype_policy import doctor
+    from keras_dtype_policy.tools import doctor
 
     try:
         report = doctor.build_report()
@@ -249,7 +250,7 @@ def _positive_int(text):
 def _check_demo_policy(name):
     import keras
 
-    from keras_dtype_policy import policy_names
+    from keras_dtype_policy.policies import names as policy_names
 
     try:
         compute_dtype, _ = policy_names.parse_policy_name(name)

@@ -1,0 +1,1 @@
+"""Loss scaling: loss-scale values, the optimizer, its hook, telemetry."""

@@ -1,0 +1,1 @@
+"""The policy core: DTypePolicy, its names, the global policy, registration."""

@@ -1,0 +1,30 @@
+"""What a model holds, and the public names of the objects in it."""
+
+
+def sublayers(layer):
+    """Returns the layers that `layer` holds directly, in order."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    if flatten is not None:
+        return list(flatten(include_self=False, recursive=False))
+    return list(getattr(layer, "layers", ()))
+
+
+def public_class_name(obj):
+    """Returns the public path of an object's class: `keras.layers.Dense`.
+
+    Keras' backend-specific subclasses (such as the torch backend's Adam)
+    are named by the public class they derive from.
+    """
+    for cls in type(obj).__mro__:
+        module = cls.__module__
+        if module.split(".")[0] == "keras_dtype_policy":
+            return f"keras_dtype_policy.{cls.__qualname__}"
+        if not module.startswith("keras."):
+            break
+        paths = vars(cls).get("_api_export_path")
+        if isinstance(paths, str):
+            return paths
+        if isinstance(paths, (list, tuple)) and paths:
+            return paths[0]
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
