@@ -10,12 +10,14 @@ import dataclasses
 import types
 
 from keras.src import dtype_policies
+from keras.src.legacy.saving import legacy_h5_format
 from keras.src.legacy.saving import saving_utils
 from keras.src.ops.operation import Operation
 from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy.loss_scaling import compile_hook
+from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
 from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
@@ -77,6 +79,12 @@ PATCHES = (
         "compile_args_from_training_config",
         tf_keras_bridge.make_compile_args_from_training_config,
         "Translate tf.keras 2 optimizer configs in .h5 files.",
+    ),
+    Patch(
+        legacy_h5_format,
+        "load_model_from_hdf5",
+        optimizer_state.make_h5_model_loader,
+        "Keep .h5 optimizer state past the loader's empty placeholder build.",
     ),
 )
 

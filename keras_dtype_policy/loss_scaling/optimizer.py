@@ -125,9 +125,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_scale = max_scale
 
     def build(self, var_list):
-        if not var_list:
-            # Keras' .h5 loader builds with a model's own (empty) variable
-            # list; wait for the real one.
+        if optimizer_state.defers_build(var_list):
             return
         super().build(var_list)
         self.skipped_step_counter = self.add_variable(

@@ -6,8 +6,18 @@ variable (Adam: `m`, `v` for each variable in turn). Keras 3 optimizers hold
 carries over once the learning rate is left out. tf.keras files hold no
 loss-scale state (neither the current scale nor its counter), so a
 `LossScaleOptimizer` restored from one starts from its initial scale.
+
+Keras' .h5 loader builds a loaded model's optimizer with the model's own
+variable list, which is empty for Sequential and Functional models, and then
+sets its saved weights. While an .h5 model file loads, an empty build is
+therefore put off until the optimizer is built for real, and the saved
+values with it. Everywhere else an empty build is a real one: a model with
+no trainable weights trains as it does in Keras alone.
 """
 
+import contextlib
+import contextvars
+import functools
 import types
 
 import numpy as np
@@ -50,6 +60,47 @@ def _is_tf_keras_layout(optimizer, variables, values):
     )
 
 
+_loading_h5_model = contextvars.ContextVar(
+    "keras_dtype_policy_loading_h5_model", default=False
+)
+
+
+def make_h5_model_loader(original_loader):
+    """Returns Keras' .h5 model loader, marking the time it runs.
+
+    Args:
+        original_loader: Keras' own `load_model_from_hdf5`.
+
+    Returns:
+        A function with the same signature.
+    """
+
+    @functools.wraps(original_loader)
+    def load_model_from_hdf5(*args, **kwargs):
+        with _marked(_loading_h5_model):
+            return original_loader(*args, **kwargs)
+
+    return load_model_from_hdf5
+
+
+def defers_build(var_list):
+    """Returns True if a build with `var_list` waits for the real one.
+
+    Only while Keras' .h5 loader runs, and only for an empty list: that is
+    the loader's placeholder build, before it sets the saved values.
+    """
+    return not var_list and _loading_h5_model.get()
+
+
+@contextlib.contextmanager
+def _marked(flag):
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
 def store_values(store):
     """Returns the arrays of a Keras weights store in saved order."""
     return [store[str(i)] for i in range(len(store.keys()))]
@@ -60,12 +111,10 @@ def teach_tf_keras_layout(optimizer):
 
     Its `load_own_variables` (used by `keras.saving.load_model` for .keras
     files) and `set_weights` (used for .h5 files) accept the tf.keras 2
-    layout besides their own. Keras' .h5 loader builds the optimizer with
-    the model's own variable list, which is empty for Sequential and
-    Functional models, and then sets its weights: an empty build is put off
-    until the optimizer is built for real, and the weights with it (the
-    iteration count is set at once). Every other input goes to the class'
-    own methods, unchanged.
+    layout besides their own. The .h5 loader's placeholder build is put off
+    until the optimizer is built for real (see `defers_build`), and the
+    saved weights with it (the iteration count is set at once). Every other
+    input goes to the class' own methods, unchanged.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer`.
@@ -76,7 +125,7 @@ def teach_tf_keras_layout(optimizer):
     optimizer_class = type(optimizer)
 
     def build(self, var_list):
-        if not var_list:
+        if defers_build(var_list):
             return
         optimizer_class.build(self, var_list)
         apply_pending_values(self, self)

@@ -42,6 +42,12 @@ EXPECTED_PARAMETERS = {
         "training_config",
         "custom_objects",
     ],
+    "keras.src.legacy.saving.legacy_h5_format.load_model_from_hdf5": [
+        "filepath",
+        "custom_objects",
+        "compile",
+        "safe_mode",
+    ],
 }
 TARGETS = set(EXPECTED_PARAMETERS)
 
