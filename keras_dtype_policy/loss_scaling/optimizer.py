@@ -1,5 +1,7 @@
 """`LossScaleOptimizer`: dynamic and fixed loss scaling on every backend."""
 
+import inspect
+
 import keras
 from keras import ops
 
@@ -351,16 +353,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def get_config(self):
+        """Returns Keras' four keys, and each setting of ours not default.
+
+        With the defaults, the config is exactly the one Keras' own
+        `LossScaleOptimizer` writes: `name`, `inner_optimizer`,
+        `initial_scale` and `dynamic_growth_steps`.
+        """
         config = super().get_config()
-        config.update(
-            {
-                "dynamic": self.dynamic,
-                "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor,
-                "min_scale": self.min_scale,
-                "max_scale": self.max_scale,
-            }
-        )
+        for key, default in _EXTRA_DEFAULTS.items():
+            value = getattr(self, key)
+            if value != default:
+                config[key] = value
         return config
 
     @classmethod
@@ -384,6 +387,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+# The settings Keras' own LossScaleOptimizer lacks, with their defaults.
+_EXTRA_DEFAULTS = {
+    name: inspect.signature(LossScaleOptimizer).parameters[name].default
+    for name in (
+        "dynamic",
+        "growth_factor",
+        "backoff_factor",
+        "min_scale",
+        "max_scale",
+    )
+}
 
 
 def _check_inner_optimizer(inner_optimizer):

@@ -3,6 +3,7 @@
 import contextlib
 
 import keras
+from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.policy import DTypePolicy
@@ -17,16 +18,24 @@ def as_policy(policy, argument_name="policy"):
         argument_name: The argument name used in error messages.
 
     Returns:
-        A `keras.DTypePolicy` instance; names give a
-        `keras_dtype_policy.DTypePolicy`.
+        A `keras.DTypePolicy` instance. Float policy names give a
+        `keras_dtype_policy.DTypePolicy`; quantized names, such as
+        `"int8_from_float32"`, give Keras' own quantized policy, as
+        `keras.config.set_dtype_policy` does.
+
+    Raises:
+        ValueError: for anything else, as Keras raises.
     """
     if isinstance(policy, keras.DTypePolicy):
         return policy
     if isinstance(policy, str):
+        if policy.startswith(QUANTIZATION_MODES):
+            return keras.dtype_policies.get(policy)
         return DTypePolicy(policy)
-    raise TypeError(
-        f"`{argument_name}` must be a policy name such as 'mixed_float16' "
-        "or a DTypePolicy instance. "
+    # Keras' own wording and error type first.
+    raise ValueError(
+        f"Invalid `{argument_name}` argument. Expected the string name of a "
+        "policy (such as 'mixed_float16') or a `DTypePolicy` instance. "
         f"Received: {argument_name}={policy!r} "
         f"(of type {type(policy).__name__})"
     )

@@ -36,8 +36,9 @@ def parse_policy_name(name):
         ValueError: if `name` is not a known policy name.
     """
     if not isinstance(name, str):
+        # Keras' own wording first: code and tests match on it.
         raise TypeError(
-            "A dtype policy name must be a string, such as 'mixed_float16'. "
+            "'name' must be a string, such as 'mixed_float16'. "
             f"Received: name={name!r} (of type {type(name).__name__})"
         )
     if name in MIXED_POLICIES:
@@ -53,7 +54,7 @@ def parse_policy_name(name):
         dtype = None
     if dtype is None:
         raise ValueError(
-            f"Cannot interpret {name!r} as a dtype policy name. Expected "
-            f"{ACCEPTED_FORMS}. Received: name={name!r}"
+            f"Cannot convert {name!r} to a mixed precision DTypePolicy. "
+            f"Expected {ACCEPTED_FORMS}. Received: name={name!r}"
         )
     return dtype, dtype

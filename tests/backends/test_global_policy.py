@@ -39,14 +39,33 @@ def test_reads_what_keras_set():
 
 
 @pytest.mark.parametrize("bad", [None, 16, ["float32"]])
-def test_bad_policy_is_a_type_error_and_changes_nothing(bad):
+def test_bad_policy_is_keras_value_error_and_changes_nothing(bad):
     kdp.set_dtype_policy("mixed_bfloat16")
-    with pytest.raises(TypeError, match="Received: policy="):
+    # The error type and the start of the message are Keras' own.
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
+        keras.config.set_dtype_policy(bad)
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
         kdp.set_dtype_policy(bad)
-    with pytest.raises(TypeError, match="Received: policy="):
+    with pytest.raises(ValueError, match="Received: policy="):
         with kdp.policy_scope(bad):
             pass
     assert kdp.dtype_policy().name == "mixed_bfloat16"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["int8_from_float32", "int8_from_mixed_bfloat16", "int4_from_float32"],
+)
+def test_quantized_names_give_keras_own_quantized_policies(name):
+    kdp.set_dtype_policy(name)
+    ours = kdp.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    theirs = keras.config.dtype_policy()
+    assert type(ours) is type(theirs)
+    assert ours.name == theirs.name
+    assert ours.quantization_mode == theirs.quantization_mode
+    with kdp.policy_scope(name) as scoped:
+        assert type(scoped) is type(theirs)
 
 
 def test_unknown_name_is_a_value_error_and_changes_nothing():

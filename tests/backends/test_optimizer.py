@@ -259,7 +259,9 @@ def test_config_round_trip():
         name="scaled",
     )
     config = optimizer.get_config()
-    assert config["dynamic"] is True
+    assert "dynamic" not in config  # the default is left out, as Keras does
+    assert config["growth_factor"] == 3.0
+    assert config["max_scale"] == 4096.0
     revived = LossScaleOptimizer.from_config(config)
     assert revived.get_config() == config
     revived = keras.saving.deserialize_keras_object(
@@ -270,6 +272,28 @@ def test_config_round_trip():
     assert float(to_numpy(revived.inner_optimizer.learning_rate)) == (
         pytest.approx(0.003)
     )
+
+
+def test_default_config_has_keras_own_keys_and_loads_in_keras():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=3.0, dynamic_growth_steps=2
+    )
+    config = optimizer.get_config()
+    assert set(config) == {
+        "name",
+        "inner_optimizer",
+        "initial_scale",
+        "dynamic_growth_steps",
+    }
+    keras_optimizer = keras.optimizers.LossScaleOptimizer.from_config(
+        dict(config)
+    )
+    assert keras_optimizer.initial_scale == 3.0
+    fixed = LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=8.0
+    ).get_config()
+    assert fixed["dynamic"] is False
+    assert LossScaleOptimizer.from_config(fixed).dynamic is False
 
 
 TF_KERAS_ADAM = {

@@ -124,8 +124,10 @@ def test_copies_are_equal(duplicate):
     "name", [1, 16.0, True, b"float32", ["float32"], object()]
 )
 def test_non_string_name_is_a_type_error(name):
-    with pytest.raises(TypeError, match="Received: name="):
+    # Keras' own wording first, as in keras.DTypePolicy.
+    with pytest.raises(TypeError, match="^'name' must be a string") as info:
         DTypePolicy(name)
+    assert "Received: name=" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +138,10 @@ def test_unknown_name_is_a_value_error_listing_accepted_forms(name):
     with pytest.raises(ValueError) as info:
         DTypePolicy(name)
     message = str(info.value)
+    # Keras' own wording first, as in keras.DTypePolicy.
+    assert message.startswith(f"Cannot convert {name!r}")
+    with pytest.raises(ValueError, match="^Cannot convert"):
+        keras.DTypePolicy(name)
     assert "'mixed_float16', 'mixed_bfloat16'" in message
     assert f"Received: name={name!r}" in message
 

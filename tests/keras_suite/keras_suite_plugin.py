@@ -1,0 +1,136 @@
+"""Runs Keras' own test files with keras_dtype_policy imported first.
+
+A pytest plugin (`-p keras_suite_plugin`, see pytest.ini here) for the test
+files that ship inside the installed keras wheel. It does what Keras' own
+conftest does for them (torch imported before TensorFlow, Keras' markers
+registered and turned into skips), then imports keras_dtype_policy, so that
+every test runs with the package's patches installed. A test that cannot
+pass because the package deliberately behaves otherwise is listed, with its
+reason, in `known_differences.py`; it is expected to fail (strictly: if it
+passes, the list is stale and the run fails).
+
+Set `KERAS_SUITE_WITHOUT_PACKAGE=1` to run the same tests on Keras alone,
+which tells a regression of ours from a test that fails here anyway.
+
+With `KERAS_SUITE_REPOINT=1`, the test modules' own names for Keras'
+`DTypePolicy`, `FloatDTypePolicy`, `dtype_policy`, `set_dtype_policy` and
+`LossScaleOptimizer` are re-pointed at the package's, so that Keras' tests of
+those features test the package's classes as drop-in replacements.
+"""
+
+import os
+
+os.environ.setdefault("JAX_DEFAULT_DTYPE_BITS", "32")
+
+try:
+    # Keras' test suite imports torch before TensorFlow; the other order
+    # has crashed in one process.
+    import torch  # noqa: F401
+except ImportError:
+    torch = None
+
+import keras
+import pytest
+
+WITHOUT_PACKAGE = os.environ.get("KERAS_SUITE_WITHOUT_PACKAGE") == "1"
+REPOINT = os.environ.get("KERAS_SUITE_REPOINT") == "1"
+
+if not WITHOUT_PACKAGE:
+    import keras_dtype_policy
+
+from known_differences import KNOWN_DIFFERENCES  # noqa: E402
+from known_differences import REPOINTED_DIFFERENCES  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+
+def _replacements():
+    """Returns {name in a test module: (Keras' object, the package's)}."""
+    from keras.src.dtype_policies import dtype_policy
+
+    return {
+        "DTypePolicy": (
+            dtype_policy.DTypePolicy,
+            keras_dtype_policy.DTypePolicy,
+        ),
+        "FloatDTypePolicy": (
+            dtype_policy.FloatDTypePolicy,
+            keras_dtype_policy.DTypePolicy,
+        ),
+        "dtype_policy": (
+            dtype_policy.dtype_policy,
+            keras_dtype_policy.dtype_policy,
+        ),
+        "set_dtype_policy": (
+            dtype_policy.set_dtype_policy,
+            keras_dtype_policy.set_dtype_policy,
+        ),
+        "LossScaleOptimizer": (
+            keras.optimizers.LossScaleOptimizer,
+            keras_dtype_policy.LossScaleOptimizer,
+        ),
+    }
+
+
+def _repoint(module, replacements):
+    """Re-points `module`'s names for Keras' objects; returns if any was."""
+    found = False
+    for name, (keras_object, ours) in replacements.items():
+        if getattr(module, name, None) is keras_object:
+            setattr(module, name, ours)
+            found = True
+    return found
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "requires_trainable_backend: Keras' marker"
+    )
+    config.addinivalue_line("markers", "multi_device: Keras' marker")
+
+
+def pytest_report_header(config):
+    package = "Keras alone" if WITHOUT_PACKAGE else "keras_dtype_policy"
+    return f"keras {keras.__version__}, backend {BACKEND}, with {package}"
+
+
+def pytest_collection_modifyitems(config, items):
+    multi_device = pytest.mark.skip(
+        reason="Keras' multi_device tests need several devices; one here."
+    )
+    differences = KNOWN_DIFFERENCES
+    if REPOINT and not WITHOUT_PACKAGE:
+        differences = {**KNOWN_DIFFERENCES, **REPOINTED_DIFFERENCES}
+        replacements = _replacements()
+        repointed = {
+            module
+            for module in {item.module for item in items}
+            if _repoint(module, replacements)
+        }
+        # Only the tests of the re-pointed features run in this mode.
+        items[:] = [item for item in items if item.module in repointed]
+    for item in items:
+        if "multi_device" in item.keywords and _device_count() < 2:
+            item.add_marker(multi_device)
+        if WITHOUT_PACKAGE:
+            continue
+        reason = _known_difference(differences, item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+def _known_difference(differences, nodeid):
+    for (backends, fragment), reason in differences.items():
+        if BACKEND in backends and fragment in nodeid:
+            return reason
+    return None
+
+
+def _device_count():
+    if BACKEND == "jax":
+        import jax
+
+        return jax.device_count()
+    if BACKEND == "torch" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
