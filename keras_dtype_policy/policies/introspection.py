@@ -21,6 +21,10 @@ def public_class_name(obj):
             return f"keras_dtype_policy.{cls.__qualname__}"
         if not module.startswith("keras."):
             break
+        if module == "keras.src.models.functional":
+            # What `keras.Model(inputs, outputs)` builds; Keras exports it
+            # under no name, and `keras.Function`, its base, is no model.
+            return f"keras.{cls.__qualname__}"
         paths = vars(cls).get("_api_export_path")
         if isinstance(paths, str):
             return paths

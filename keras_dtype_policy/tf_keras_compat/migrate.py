@@ -88,6 +88,10 @@ def migrate(old, new, overwrite=False):
     new = pathlib.Path(new)
     if new.suffix != ".keras":
         raise ModelFileError(f"{new}: the new file's name must end in .keras")
+    if not new.parent.is_dir():
+        raise ModelFileError(f"{new}: no such directory: {new.parent}")
+    if new.is_dir():
+        raise ModelFileError(f"{new}: is a directory, not a .keras file")
     source = model_files.read_model_file(old)
     if new.exists():
         if new.resolve() == source.path.resolve():

@@ -119,9 +119,10 @@ def load_model(model_file):
         try:
             model = keras.saving.load_model(model_file.path)
         except Exception as error:
+            cause = innermost_cause(error)
             raise ModelFileError(
                 f"{model_file.path}: cannot be loaded: "
-                f"{type(error).__name__}: {_first_line(error)}"
+                f"{type(cause).__name__}: {_first_line(cause)}"
             ) from error
         if not isinstance(model, keras.Model):
             raise ModelFileError(
@@ -215,9 +216,15 @@ def _read_h5_file(path):
     try:
         with h5py.File(path, "r") as f:
             attributes = dict(f.attrs)
+            groups = set(f.keys())
     except OSError as error:
         raise ModelFileError(f"{path}: cannot be read: {error}") from None
     if "model_config" not in attributes:
+        if "layer_names" not in attributes and not {"layers", "vars"} <= groups:
+            raise ModelFileError(
+                f"{path}: not a Keras file: an HDF5 file with neither a "
+                "model nor Keras weights"
+            )
         raise ModelFileError(
             f"{path}: holds weights only, no model: load it with "
             "model.load_weights() into a model you build"
@@ -257,6 +264,23 @@ def _check_model_config(path, config):
         raise ModelFileError(f"{path}: its model config names no class")
 
 
+def innermost_cause(error):
+    """Returns the exception at the root of `error`'s chain of causes.
+
+    Keras' loaders wrap the error that stopped them (such as "Could not
+    locate class ...") in more general ones.
+    """
+    seen = {id(error)}
+    while True:
+        cause = error.__cause__ or error.__context__
+        if cause is None or id(cause) in seen:
+            return error
+        seen.add(id(cause))
+        error = cause
+
+
 def _first_line(message):
     text = str(message).strip()
+    # Keras ends some messages with the whole config of the object.
+    text = text.split(" Full object config:")[0]
     return text.splitlines()[0] if text else type(message).__name__

@@ -1,16 +1,23 @@
 """The `keras-dtype-policy` command line (also `python -m keras_dtype_policy`).
 
 Every command runs on the backend that `KERAS_BACKEND` names. A user error
-(a missing file, a file that is no model, an unknown policy, a bad option)
-prints one line, `keras-dtype-policy: error: ...`, on standard error and
-exits with status 2 for a bad command line and 1 for anything else, without
-a traceback.
+(a missing file, a file that is no model, an unknown policy, a bad option,
+a backend that does not import) prints one line,
+`keras-dtype-policy: error: ...`, on standard error and exits with status 2
+for a bad command line and 1 for anything else, without a traceback.
+`--help` and `--version` need no backend.
+
+Output is plain lines where standard output is no terminal or `NO_COLOR` is
+set (see `terminal`); at a terminal the demo shows Keras' progress bar.
 """
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import pathlib
+import re
 import sys
 
 PROG = "keras-dtype-policy"
@@ -48,7 +55,9 @@ def build_parser():
         prog=PROG,
         description="Mixed precision for every Keras 3 backend. Every "
         "command runs on the backend that the KERAS_BACKEND environment "
-        "variable names (jax, tensorflow or torch).",
+        "variable names (jax, tensorflow or torch): export "
+        "KERAS_BACKEND=jax, for one. Output is plain lines where it goes "
+        "to no terminal or NO_COLOR is set.",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}"
@@ -76,8 +85,9 @@ def _add_demo(commands):
     demo.add_argument(
         "--policy",
         help="the policy to demonstrate, such as mixed_float16 or "
-        "mixed_bfloat16 (default: mixed_float16 on a GPU that computes "
-        "float16 fast, else mixed_bfloat16)",
+        "mixed_bfloat16 (default: the policy 'doctor' recommends; where "
+        "that is float32, mixed_bfloat16, or mixed_float16 on a GPU that "
+        "computes float16 fast, next to the advice)",
     )
     demo.add_argument(
         "--epochs",
@@ -113,6 +123,7 @@ def _add_inspect(commands):
     inspect.add_argument(
         "--json", action="store_true", help="print JSON, for machines"
     )
+    _add_import_option(inspect)
     inspect.set_defaults(handler=_run_inspect)
 
 
@@ -131,6 +142,7 @@ def _add_migrate(commands):
     migrate.add_argument(
         "--force", action="store_true", help="replace NEW if it exists"
     )
+    _add_import_option(migrate)
     migrate.set_defaults(handler=_run_migrate)
 
 
@@ -148,6 +160,20 @@ def _add_doctor(commands):
     doctor.set_defaults(handler=_run_doctor)
 
 
+def _add_import_option(command):
+    command.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (a name such as my_package.layers, found on "
+        "PYTHONPATH or in the current directory, or a .py file) before "
+        "loading, so that the custom classes it registers with "
+        "keras.saving.register_keras_serializable resolve; repeatable",
+    )
+
+
 def main(argv=None):
     """Runs the command line.
 
@@ -160,6 +186,7 @@ def main(argv=None):
     """
     try:
         args = build_parser().parse_args(argv)
+        _check_backend()
         args.handler(args)
     except CommandError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -167,19 +194,35 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return FAILURE
     return 0
+
+
+def _check_backend():
+    """Reports, in one line, a backend that Keras could not import."""
+    import keras_dtype_policy
+
+    error = getattr(keras_dtype_policy, "_backend_error", None)
+    if error is not None:
+        raise CommandError(str(error))
 
 
 def _run_demo(args):
     from keras_dtype_policy.policies import hardware
+    from keras_dtype_policy.tools import advice
+    from keras_dtype_policy.tools import terminal
 
     _require("sklearn", "the demo needs scikit-learn", "demo")
+    try:
+        choice = advice.demo_choice(hardware.list_devices())
+    except RuntimeError:
+        choice = None
     policy = args.policy
     if policy is None:
-        try:
-            policy = hardware.demo_policy(hardware.list_devices())
-        except RuntimeError:
-            policy = "mixed_bfloat16"
+        policy = "mixed_bfloat16" if choice is None else choice.policy
     _check_demo_policy(policy)
     plot_path = None
     if args.plot is not None:
@@ -191,6 +234,8 @@ def _run_demo(args):
         epochs=args.epochs,
         max_samples=args.samples,
         plot_path=plot_path,
+        verbose=terminal.fit_verbosity(),
+        advice=choice,
     )
 
 
@@ -198,10 +243,11 @@ def _run_inspect(args):
     from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
     from keras_dtype_policy.tools import model_report
 
+    _import_modules(args.imports)
     try:
         report = model_report.build_report(args.model)
     except ModelFileError as error:
-        raise CommandError(str(error)) from None
+        raise CommandError(_with_hint(error)) from None
     _print_report(report, model_report.format_report, args.json)
 
 
@@ -210,10 +256,11 @@ def _run_migrate(args):
     from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
     from keras_dtype_policy.tools.migration_report import format_migration
 
+    _import_modules(args.imports)
     try:
         migration = migrate.migrate(args.old, args.new, overwrite=args.force)
     except ModelFileError as error:
-        raise CommandError(str(error)) from None
+        raise CommandError(_with_hint(error)) from None
     print("\n".join(format_migration(migration)))
 
 
@@ -225,6 +272,74 @@ def _run_doctor(args):
     except RuntimeError as error:
         raise CommandError(str(error)) from None
     _print_report(report, doctor.format_report, args.json)
+
+
+def _import_modules(names):
+    """Imports the modules named by `--import`, in order.
+
+    Like `python -m`, a module in the current directory is found.
+    """
+    if names and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                _import_file(name)
+            else:
+                importlib.import_module(name)
+        except CommandError:
+            raise
+        except ModuleNotFoundError as error:
+            if error.name and (
+                name == error.name or name.startswith(error.name + ".")
+            ):
+                raise CommandError(
+                    f"--import {name}: no module named {error.name!r} on "
+                    "PYTHONPATH or in the current directory"
+                ) from None
+            raise CommandError(_import_failure(name, error)) from None
+        except Exception as error:
+            raise CommandError(_import_failure(name, error)) from None
+
+
+def _import_file(path):
+    if not pathlib.Path(path).is_file():
+        raise CommandError(f"--import {path}: no such file")
+    name = pathlib.Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+def _import_failure(name, error):
+    lines = str(error).strip().splitlines()
+    detail = f": {lines[0]}" if lines else ""
+    return (
+        f"--import {name}: importing it failed: {type(error).__name__}{detail}"
+    )
+
+
+def _with_hint(error):
+    """Returns the message of a `ModelFileError`, with what to do about a
+    class that Keras could not locate: import the module that defines it."""
+    from keras_dtype_policy.tf_keras_compat.model_files import innermost_cause
+
+    message = str(error)
+    cause = innermost_cause(error)
+    if "Could not locate class" not in str(cause):
+        return message
+    module = re.search(r"'module': '([\w.]+)'", str(cause))
+    if module and not module.group(1).startswith("keras"):
+        return (
+            f"{message} (import the module that defines it: --import "
+            f"{module.group(1)})"
+        )
+    return f"{message} (import the module that defines it: --import MODULE)"
 
 
 def _print_report(report, format_report, as_json):

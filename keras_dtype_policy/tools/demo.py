@@ -140,6 +140,7 @@ def run_demo(
     plot_path=None,
     verbose=1,
     print_fn=print,
+    advice=None,
 ):
     """Trains under `policy`, then under float32, and reports both.
 
@@ -149,8 +150,11 @@ def run_demo(
         max_samples: Train on at most this many images, for a quick run.
         plot_path: If given, where to write a PNG of the loss scale and the
             losses per step (needs matplotlib).
-        verbose: Keras' verbosity for `fit`: 1 shows its progress bar.
+        verbose: Keras' verbosity for `fit`: 1 shows its progress bar, 2
+            one plain line per epoch.
         print_fn: Where the report's lines go.
+        advice: Optional, the `advice.DemoChoice` of this machine: the
+            report then states the policy `doctor` recommends here.
 
     Returns:
         The `Run`s: the chosen policy's, then float32's (just one if the
@@ -163,10 +167,18 @@ def run_demo(
         "8x8 pixels, 10 classes)"
     )
     print_fn(f"backend: {keras.backend.backend()}")
+    for line in advice_lines(policy, advice):
+        print_fn(line)
     policies = [policy] if policy == "float32" else [policy, "float32"]
     runs = []
     for index, name in enumerate(policies, start=1):
         role = " (for comparison)" if index > 1 else ""
+        if advice is not None and name == advice.recommended:
+            role = (
+                " (recommended here)"
+                if index == 1
+                else (" (for comparison; recommended here)")
+            )
         print_fn("")
         print_fn(f"[{index}/{len(policies)}] policy {name}{role}")
         runs.append(train(name, data, epochs, verbose))
@@ -174,11 +186,34 @@ def run_demo(
     print_fn("")
     for line in report_lines(chosen, runs[-1]):
         print_fn(line)
+    if advice is not None:
+        print_fn("")
+        for line in wrap(
+            f"Recommended on this machine (as 'keras-dtype-policy doctor' "
+            f"says): {advice.recommended}: {advice.reason}."
+        ):
+            print_fn(line)
     if plot_path is not None:
         write_plot(plot_path, runs)
         print_fn("")
         print_fn(f"plot written to {plot_path}")
     return runs
+
+
+def advice_lines(policy, advice):
+    """Returns the lines that say how `policy` relates to doctor's advice."""
+    if advice is None:
+        return []
+    if policy == advice.recommended:
+        return wrap(
+            f"policy: {policy}, the policy 'keras-dtype-policy doctor' "
+            "recommends on this machine"
+        )
+    return wrap(
+        f"policy: {policy}, shown next to float32; on this machine "
+        f"'keras-dtype-policy doctor' recommends {advice.recommended}: "
+        f"{advice.reason}"
+    )
 
 
 def report_lines(chosen, baseline):

@@ -5,6 +5,7 @@ import importlib.metadata
 import keras
 
 from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.tools import advice
 from keras_dtype_policy.tools.tables import format_table
 from keras_dtype_policy.tools.tables import wrap
 
@@ -58,7 +59,7 @@ def build_report():
         "devices": rows,
         "recommended_policy": policy,
         "reason": reason,
-        "demo_policy": hardware.demo_policy(devices),
+        "demo_policy": advice.demo_choice(devices, backend).policy,
         "notes": _notes(backend, computing),
     }
 

@@ -22,6 +22,7 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.tools import advice
 from keras_dtype_policy.tools import cli
 
 BACKEND = keras.backend.backend()
@@ -273,6 +274,7 @@ def test_inspect_shows_nested_layers_and_live_state(tmp_path, capsys):
     assert state["skipped_steps"] >= 1  # the 1e8 batch at least
     assert state["loss_scale"] < 2.0**15
     assert report["written_by"].startswith("Keras 3.")
+    assert report["model"]["class"] == "keras.Functional"
 
 
 def test_migrate_a_tf_keras_file(tmp_path):
@@ -318,13 +320,32 @@ def demo_report(result):
 
 
 def test_demo_runs_the_default_policy_against_float32(tmp_path):
-    result = run_cli("demo", "--epochs", "1", "--samples", "64", cwd=tmp_path)
+    result = run_cli("demo", "--epochs", "2", "--samples", "64", cwd=tmp_path)
     layers, comparison = demo_report(result)
-    policy = hardware.demo_policy(hardware.list_devices())
+    choice = advice.demo_choice(hardware.list_devices())
+    policy = choice.policy
     assert f"[1/2] policy {policy}" in result.stdout
-    assert "[2/2] policy float32 (for comparison)" in result.stdout
+    assert "[2/2] policy float32 (for comparison" in result.stdout
     assert "64 training and 359 test images" in result.stdout
-    assert "\u2501" in result.stdout  # the bar of Keras' progress bar
+    # Through a pipe: one plain line per epoch, no progress bar.
+    assert "\r" not in result.stdout and "\x1b[" not in result.stdout
+    assert "\u2501" not in result.stdout
+    assert result.stdout.count("Epoch 2/2") == 2
+    # The demo states doctor's advice, whichever policy it shows.
+    flat = " ".join(result.stdout.split())
+    assert (
+        "Recommended on this machine (as 'keras-dtype-policy doctor' says): "
+        f"{choice.recommended}: {choice.reason}." in flat
+    )
+    if not choice.follows_advice:
+        assert choice.recommended == "float32"
+        assert "[2/2] policy float32 (for comparison; recommended here)" in (
+            result.stdout
+        )
+        assert (
+            f"policy: {policy}, shown next to float32; on this machine "
+            f"'keras-dtype-policy doctor' recommends float32" in flat
+        )
     rows = {row[0]: row for row in layers[1:]}
     compute = kdp.DTypePolicy(policy).compute_dtype
     assert rows["conv_1"][1:5] == ["Conv2D", policy, compute, "float32"]
@@ -389,11 +410,32 @@ def test_demo_without_scikit_learn_names_the_extra(tmp_path):
             "holds weights only",
         ),
         (
+            ("inspect", FIXTURES / "dense_mixed_float16_legacy_weights.h5"),
+            1,
+            "holds weights only",
+        ),
+        (("inspect", "data.h5"), 1, "data.h5: not a Keras file"),
+        (
+            ("migrate", FIXTURES / "dense_mixed_bfloat16.h5", "no/x.keras"),
+            1,
+            "no/x.keras: no such directory: no",
+        ),
+        (
+            (
+                "migrate",
+                FIXTURES / "dense_mixed_bfloat16.h5",
+                "folder.keras",
+                "--force",
+            ),
+            1,
+            "folder.keras: is a directory",
+        ),
+        (
             ("migrate", FIXTURES / "dense_mixed_bfloat16.h5", "notes.keras"),
             1,
             "exists already (use --force",
         ),
-        (("demo", "--policy", "nope"), 2, "--policy: Cannot interpret 'nope'"),
+        (("demo", "--policy", "nope"), 2, "--policy: Cannot"),
         (("demo", "--epochs", "0"), 2, "argument --epochs: must be a whole"),
         (("demo", "--epochs", "abc"), 2, "not 'abc'"),
         (("demo", "--plot", "demo.jpg"), 2, "must end in .png"),
@@ -403,6 +445,10 @@ def test_demo_without_scikit_learn_names_the_extra(tmp_path):
         "missing-file",
         "not-a-model",
         "weights-only",
+        "legacy-weights-only",
+        "hdf5-data",
+        "migrate-into-a-missing-directory",
+        "migrate-onto-a-directory",
         "migrate-over-a-file",
         "unknown-policy",
         "zero-epochs",
@@ -412,7 +458,12 @@ def test_demo_without_scikit_learn_names_the_extra(tmp_path):
     ],
 )
 def test_user_errors_are_one_line(args, status, fragment, tmp_path):
+    import h5py
+
     (tmp_path / "notes.keras").write_text("not a model")
+    (tmp_path / "folder.keras").mkdir()
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f["x"] = np.arange(3)
     result = run_cli(*args, cwd=tmp_path)
     assert_one_error_line(result, status, fragment)
     assert result.stdout == ""
