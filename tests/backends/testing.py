@@ -107,24 +107,35 @@ def keras_file_with_dtype(dtype, path):
     return model
 
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+# The pages whose Python examples the tests run: the README, then docs/.
+DOC_PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 
 
 def readme_example(tag, kind="custom-loop"):
-    """Returns the Python block that follows `<!-- kind: tag -->`."""
-    text = README.read_text()
+    """Returns the Python block that follows `<!-- kind: tag -->`.
+
+    The marker is looked for in README.md and docs/*.md, and must be on
+    exactly one of them, once.
+    """
     marker = f"<!-- {kind}: {tag} -->"
+    found = [page for page in DOC_PAGES if marker in page.read_text()]
+    if len(found) != 1 or found[0].read_text().count(marker) != 1:
+        names = [page.name for page in found]
+        raise AssertionError(f"{marker} must occur once; found in {names}")
+    text = found[0].read_text()
     start = text.index("```python\n", text.index(marker)) + len("```python\n")
     return text[start : text.index("```", start)]
 
 
 def run_readme_example(tag, kind="custom-loop"):
-    """Runs a README example; returns its namespace and printed output."""
+    """Runs a docs example; returns its namespace and printed output."""
     namespace = {"__name__": f"readme_{tag}"}
     output = io.StringIO()
     source = readme_example(tag, kind)
     with contextlib.redirect_stdout(output):
-        exec(compile(source, f"README:{kind}:{tag}", "exec"), namespace)
+        exec(compile(source, f"docs:{kind}:{tag}", "exec"), namespace)
     return namespace, output.getvalue()
 
 
