@@ -1,4 +1,8 @@
-"""The README's custom training loop for this backend, run as written.
+"""The docs' custom training loop for this backend, run as written.
+
+The loops are in docs/loss-scaling.md, each after a
+`<!-- custom-loop: BACKEND -->` marker; tests/backends/test_docs.py leaves
+them to this file.
 
 TensorFlow and PyTorch loops update the Keras variables as they go; the JAX
 loop is pure and carries its state, which is written back to the variables
@@ -17,7 +21,7 @@ from testing import to_numpy
 
 
 def make_step(namespace):
-    """Returns `step(x, y)` for the README loop, keeping variables current."""
+    """Returns `step(x, y)` for the docs loop, keeping variables current."""
     if BACKEND != "jax":
         return namespace["train_step"]
     optimizer, model = namespace["optimizer"], namespace["model"]
