@@ -56,7 +56,7 @@ def probe(arm, policy, batch, width, depth, steps):
     units = (width,) * (depth + 1) + (10,)
     # No bias in the hidden layers: TensorFlow's graph rewrite fuses MatMul
     # and BiasAdd, and that fused kernel in float16 is hundreds of times
-    # slower on some CPUs (see README.md, Benchmarks). Memory is the question
+    # slower on some CPUs (see docs/benchmarks.md). Memory is the question
     # here, not speed.
     model = models.build_mlp(arm, policy, units, use_bias=False)
     models.compile_model(model, models.make_optimizer(arm, policy))
