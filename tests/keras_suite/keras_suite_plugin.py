@@ -18,6 +18,8 @@ With `KERAS_SUITE_REPOINT=1`, the test modules' own names for Keras'
 those features test the package's classes as drop-in replacements.
 """
 
+import ast
+import importlib.util
 import os
 
 os.environ.setdefault("JAX_DEFAULT_DTYPE_BITS", "32")
@@ -92,6 +94,50 @@ def pytest_configure(config):
 def pytest_report_header(config):
     package = "Keras alone" if WITHOUT_PACKAGE else "keras_dtype_policy"
     return f"keras {keras.__version__}, backend {BACKEND}, with {package}"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Leaves out a test file that imports a library not installed here.
+
+    Keras' own CI installs every backend library (and grain) in one
+    environment; ours install TensorFlow and pandas beside the backend. A
+    file that needs torch or grain where they are absent is not collected,
+    and the terminal summary names it.
+    """
+    if collection_path.suffix != ".py":
+        return None
+    missing = _missing_imports(collection_path)
+    if missing:
+        _left_out.append(f"{collection_path.name} (needs {', '.join(missing)})")
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _left_out:
+        terminalreporter.write_line(
+            "Left out (a library they import is not installed): "
+            + "; ".join(sorted(_left_out))
+        )
+
+
+_left_out = []
+
+
+def _missing_imports(path):
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return []
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and not node.level
+        ):
+            names.add(node.module.split(".")[0])
+    return sorted(n for n in names if importlib.util.find_spec(n) is None)
 
 
 def pytest_collection_modifyitems(config, items):
