@@ -1,11 +1,13 @@
 """Reading optimizer state in the layout tf.keras 2 saved it.
 
-tf.keras 2 optimizers saved `[iteration, slots...]`, the slots grouped per
-variable (Adam: `m`, `v` for each variable in turn). Keras 3 optimizers hold
-`[iteration, learning_rate, slots...]` in the same slot order, so the state
-carries over once the learning rate is left out. tf.keras files hold no
-loss-scale state (neither the current scale nor its counter), so a
-`LossScaleOptimizer` restored from one starts from its initial scale.
+tf.keras 2 optimizers saved `[iteration, slots...]`, the slots in the order
+their `build` made them (Adam: `m`, `v` for each variable in turn, then the
+`vhat`s). Keras 3 optimizers hold `[iteration, learning_rate, slots...]`
+with the same slots in the same order, so the state carries over once the
+learning rate is left out (see `tf_keras_layout` for the exceptions).
+tf.keras files hold no loss-scale state (neither the current scale nor its
+counter), so a `LossScaleOptimizer` restored from one starts from its
+initial scale.
 
 Keras' .h5 loader builds a loaded model's optimizer with the model's own
 variable list, which is empty for Sequential and Functional models, and then
@@ -20,11 +22,18 @@ import contextvars
 import functools
 import types
 
+import keras
 import numpy as np
 
 
 def assign_optimizer_values(optimizer, values):
     """Assigns saved values to a built optimizer, Keras 3 or tf.keras layout.
+
+    Values in the optimizer's own layout are assigned in order. Otherwise
+    they are read in the layout tf.keras 2 saved for the same optimizer (see
+    `tf_keras_layout`): saved slots that Keras 3 has no place for are
+    dropped, and state that tf.keras did not save is derived from the rest
+    where it can be (see `_derive_unsaved_state`).
 
     Args:
         optimizer: A built `keras.optimizers.Optimizer` (not a wrapper).
@@ -36,27 +45,122 @@ def assign_optimizer_values(optimizer, values):
     """
     variables = list(optimizer.variables)
     values = [np.asarray(v) for v in values]
-    if len(values) == len(variables):
+    if _fits(variables, values):
         targets = variables
-    elif _is_tf_keras_layout(optimizer, variables, values):
-        targets = [variables[0]] + variables[2:]
     else:
-        return False
-    if any(
-        tuple(t.shape) != v.shape for t, v in zip(targets, values, strict=True)
-    ):
-        return False
+        layout = tf_keras_layout(optimizer)
+        if layout is None or not _fits(layout, values):
+            return False
+        targets = layout
     for target, value in zip(targets, values, strict=True):
+        if isinstance(target, _Dropped):
+            continue
         target.assign(value)
+    if targets is not variables:
+        _derive_unsaved_state(optimizer)
     return True
 
 
-def _is_tf_keras_layout(optimizer, variables, values):
-    return (
-        len(values) == len(variables) - 1
-        and len(variables) >= 2
-        and variables[1] is getattr(optimizer, "_learning_rate", None)
-        and values[0].shape == ()
+class _Dropped:
+    """A saved value with no place in Keras 3: only its shape is checked."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+# Slots that tf.keras 2 optimizers build for every variable whatever their
+# settings, while Keras 3 builds them only when they are used: with
+# `momentum=0`, tf.keras' SGD keeps its last update in its momentums and
+# never reads it back (it multiplies it by 0).
+_ALWAYS_BUILT_BY_TF_KERAS = {"SGD": ("momentum",)}
+
+
+def tf_keras_layout(optimizer):
+    """Returns where each value saved by tf.keras 2 goes, or None.
+
+    tf.keras 2 (2.11 and later) optimizers save their iteration count, then
+    the slots their `build` made, in the order Keras 3 makes the same slots.
+    The Keras 3 slots are read from the optimizer's own variables: each is
+    named after the variable it belongs to and the slot's name. Keras 3 keeps
+    the learning rate among its variables, tf.keras did not; slots tf.keras
+    always built and Keras 3 did not (see `_ALWAYS_BUILT_BY_TF_KERAS`) come
+    last, as placeholders to drop.
+
+    Args:
+        optimizer: A built `keras.optimizers.Optimizer`.
+
+    Returns:
+        A list with, for each saved value, the variable it goes to or a
+        placeholder with the shape it must have; None if the optimizer's
+        variables cannot be told apart (the layout is then unknown).
+    """
+    trainables = list(getattr(optimizer, "_trainable_variables", None) or ())
+    slots = _slots_by_name(optimizer, trainables)
+    if slots is None:
+        return None
+    layout = [optimizer.iterations]
+    layout.extend(variable for variable, _ in slots)
+    built_slots = {slot for _, slot in slots}
+    # A backend's class (torch's SGD) may share its base class' name.
+    class_names = dict.fromkeys(c.__name__ for c in type(optimizer).__mro__)
+    for class_name in class_names:
+        for slot in _ALWAYS_BUILT_BY_TF_KERAS.get(class_name, ()):
+            if slot not in built_slots:
+                layout.extend(_Dropped(t.shape) for t in trainables)
+    return layout
+
+
+def _slots_by_name(optimizer, trainables):
+    """Returns the (variable, slot name) of each slot, in variable order.
+
+    Keras 3 names a slot `<variable path, "/" as "_">_<slot name>`. A
+    variable that is neither the iteration count, the learning rate nor a
+    slot of a trainable variable of the same shape is state tf.keras did not
+    save; it is left out. Returns None if two slots claim one name.
+    """
+    prefixes = sorted(
+        ((f"{t.path.replace('/', '_')}_", t) for t in trainables),
+        key=lambda item: len(item[0]),
+        reverse=True,
+    )
+    skipped = (optimizer.iterations, getattr(optimizer, "_learning_rate", None))
+    slots = []
+    seen = set()
+    for variable in optimizer.variables:
+        if any(variable is s for s in skipped):
+            continue
+        for prefix, trainable in prefixes:
+            name = variable.name
+            if name.startswith(prefix) and tuple(variable.shape) == tuple(
+                trainable.shape
+            ):
+                if name in seen:
+                    return None
+                seen.add(name)
+                slots.append((variable, name[len(prefix) :]))
+                break
+    return slots
+
+
+def _derive_unsaved_state(optimizer):
+    """Sets the state tf.keras kept outside its saved variables.
+
+    Nadam's running product of momentum factors: tf.keras kept it outside
+    `variables`, so files hold none; it follows from the step count.
+    """
+    u_product = getattr(optimizer, "_u_product", None)
+    beta_1 = getattr(optimizer, "beta_1", None)
+    if u_product is None or not isinstance(beta_1, (int, float)):
+        return
+    steps = int(np.asarray(optimizer.iterations.numpy()))
+    t = np.arange(1, steps + 1, dtype="float64")
+    value = np.prod(beta_1 * (1.0 - 0.5 * 0.96**t))
+    u_product.assign(np.asarray(value, dtype=u_product.dtype))
+
+
+def _fits(targets, values):
+    return len(targets) == len(values) and all(
+        tuple(t.shape) == v.shape for t, v in zip(targets, values, strict=True)
     )
 
 
@@ -164,8 +268,25 @@ def keep_pending_values(optimizer, values, iterations=None):
 
 
 def apply_pending_values(holder, optimizer):
-    """Assigns the values `holder` kept, if any, to the built `optimizer`."""
+    """Assigns the values `holder` kept, if any, to the built `optimizer`.
+
+    On TensorFlow the first training step builds the optimizer while its
+    `tf.function` is traced; the values are assigned at once all the same,
+    not as part of the step (which would assign them again at every step).
+    """
     pending = getattr(holder, "_pending_saved_values", None)
     if pending is not None:
         holder._pending_saved_values = None
-        optimizer.set_weights(pending)
+        with _outside_tracing():
+            optimizer.set_weights(pending)
+
+
+@contextlib.contextmanager
+def _outside_tracing():
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.init_scope():
+            yield
+    else:
+        yield
