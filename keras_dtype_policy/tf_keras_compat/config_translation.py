@@ -10,8 +10,10 @@ else:
 - model classes saved under tf.keras modules (`tf_keras.src.engine...`);
 - tf.keras' `LossScaleOptimizer` (`LossScaleOptimizerV3`), which becomes
   this package's `LossScaleOptimizer`, and optimizer keys Keras 3 rejects;
-- layer arguments Keras 3 removed (`time_major`), and one-element `axis`
-  lists;
+- layer arguments Keras 3 removed (`time_major`, a depthwise
+  convolution's `groups`, `batch_input_shape` on a layer other than an
+  InputLayer), and one-element `axis` lists;
+- layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
 - optimizers saved under a backend's own module (a model compiled on torch
   saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
   backend only and would import it: they become the backend-neutral
@@ -40,6 +42,8 @@ _BACKEND_OPTIMIZER_MODULE = re.compile(
     r"keras\.src\.backend\.(jax|numpy|openvino|tensorflow|torch)\.optimizers\."
 )
 _REMOVED_LAYER_ARGUMENTS = ("time_major",)
+# tf.keras' depthwise convolutions saved their base class' `groups` (1).
+_DEPTHWISE_CLASSES = ("DepthwiseConv1D", "DepthwiseConv2D")
 # Loss and metric short names that Keras 3's loaders cannot deserialize.
 _LOSS_ALIASES = {
     "mse": "mean_squared_error",
@@ -217,6 +221,66 @@ def _translate_object(node, from_tf_keras):
             inner["axis"] = axis[0]
         if class_name == "InputLayer" and "batch_input_shape" in inner:
             inner["batch_shape"] = inner.pop("batch_input_shape")
+        if class_name == "Sequential":
+            _give_sequential_an_input(inner)
+        elif class_name != "InputLayer":
+            # The InputLayer tf.keras wrote before the layer carries it too.
+            inner.pop("batch_input_shape", None)
+        if class_name in _DEPTHWISE_CLASSES and inner.get("groups") == 1:
+            inner.pop("groups")
+        if class_name in _MODEL_CLASSES:
+            node["config"] = _without_slashed_layer_names(inner)
+    return node
+
+
+def _give_sequential_an_input(config):
+    """Puts the shape a first layer carried into an InputLayer before it."""
+    layers = config.get("layers")
+    if not (isinstance(layers, list) and layers):
+        return
+    first = layers[0]
+    if not isinstance(first, dict) or first.get("class_name") == "InputLayer":
+        return
+    shape = (first.get("config") or {}).get("batch_input_shape")
+    if isinstance(shape, list):
+        layers.insert(
+            0,
+            {
+                "class_name": "InputLayer",
+                "config": {"batch_shape": shape, "dtype": "float32"},
+            },
+        )
+
+
+def _without_slashed_layer_names(config):
+    """Renames the layers whose names hold "/", which Keras 3 refuses.
+
+    tf.keras' applications name layers "conv1/conv"; each "/" becomes "_"
+    wherever the model config names the layer (its own config, the nodes
+    that call it, the model's inputs and outputs). Weights do not move: .h5
+    files find them by the saved names in order, .keras files by position.
+    """
+    layers = config.get("layers")
+    if not isinstance(layers, list):
+        return config
+    names = [(layer.get("config") or {}).get("name") for layer in layers]
+    renames = {
+        name: name.replace("/", "_")
+        for name in names
+        if isinstance(name, str) and "/" in name
+    }
+    if not renames:
+        return config
+    return _renamed(config, renames)
+
+
+def _renamed(node, renames):
+    if isinstance(node, str):
+        return renames.get(node, node)
+    if isinstance(node, list):
+        return [_renamed(item, renames) for item in node]
+    if isinstance(node, dict):
+        return {key: _renamed(value, renames) for key, value in node.items()}
     return node
 
 
