@@ -18,6 +18,8 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from testing import CLI_ERROR
+from testing import cli_error_line
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -29,7 +31,7 @@ BACKEND = keras.backend.backend()
 FIXTURES = (
     pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
 )
-ERROR = "keras-dtype-policy: error: "
+ERROR = CLI_ERROR
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -50,16 +52,7 @@ def run_cli(*args, cwd=None, env=None, timeout=240):
 
 def assert_one_error_line(result, status, fragment):
     """The run failed with `status` and said why in one line, no traceback."""
-    assert result.returncode == status, result.stderr
-    ours = [
-        line
-        for line in result.stderr.splitlines()
-        if line.startswith("keras-dtype-policy")
-    ]
-    assert len(ours) == 1, result.stderr
-    assert ours[0].startswith(ERROR)
-    assert fragment in ours[0]
-    assert "Traceback" not in result.stderr
+    assert fragment in cli_error_line(result, status)
 
 
 def tables(text):

@@ -14,9 +14,9 @@ import textwrap
 
 import keras
 import pytest
+from testing import cli_error_line
 
 BACKEND = keras.backend.backend()
-ERROR = "keras-dtype-policy: error: "
 LAYERS = """
 import keras
 
@@ -77,24 +77,11 @@ def run_cli(*args, cwd, **extra):
     )
 
 
-def one_error_line(result):
-    assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    ours = [
-        line
-        for line in result.stderr.splitlines()
-        if line.startswith("keras-dtype-policy")
-    ]
-    assert len(ours) == 1, result.stderr
-    assert ours[0].startswith(ERROR)
-    return ours[0]
-
-
 def test_without_import_the_innermost_cause_and_the_fix_are_shown(folder):
     elsewhere = folder / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     result = run_cli("inspect", folder / "custom.keras", cwd=elsewhere)
-    line = one_error_line(result)
+    line = cli_error_line(result)
     assert "Could not locate class 'Scale'" in line
     assert "could not be deserialized properly" not in line
     assert "Full object config" not in line
@@ -157,4 +144,4 @@ def test_migrate_imports_a_python_file(folder, tmp_path):
 def test_a_module_that_does_not_import_is_one_line(module, fragment, tmp_path):
     (tmp_path / "broken.py").write_text("1 / 0\n")
     result = run_cli("inspect", "model.keras", "--import", module, cwd=tmp_path)
-    assert fragment in one_error_line(result)
+    assert fragment in cli_error_line(result)

@@ -183,3 +183,25 @@ def reference_trajectory(
                 scale = max(scale * backoff_factor, min_scale)
         states.append((scale, counter, skipped))
     return states
+
+
+CLI_ERROR = "keras-dtype-policy: error: "
+
+
+def cli_error_line(result, status=1):
+    """Returns the one error line a failed command printed, no traceback.
+
+    Args:
+        result: A `subprocess.CompletedProcess` with text stderr.
+        status: The exit status the command must have ended with.
+    """
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr
+    ours = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("keras-dtype-policy")
+    ]
+    assert len(ours) == 1, result.stderr
+    assert ours[0].startswith(CLI_ERROR)
+    return ours[0]
