@@ -9,6 +9,7 @@ where a variable's dtype changes).
 
 import collections
 import contextlib
+import inspect
 import threading
 
 import keras
@@ -25,16 +26,53 @@ def _choosers():
     return _state.choosers
 
 
+# Keras' `Layer.__init__` arguments; Keras reads the signature of
+# `__init__` to record a layer's config, so the replacement keeps it.
+_LAYER_INIT_ARGUMENTS = (
+    "self",
+    "activity_regularizer",
+    "trainable",
+    "dtype",
+    "autocast",
+    "name",
+    "kwargs",
+)
+
+
 def make_layer_init(original):
     """Returns `Layer.__init__` that lets an active scope pick the policy."""
+    found = tuple(inspect.signature(original).parameters)
+    if found != _LAYER_INIT_ARGUMENTS:
+        raise RuntimeError(
+            "keras_dtype_policy cannot patch Layer.__init__: its arguments "
+            f"are now {found}, not {_LAYER_INIT_ARGUMENTS}. Please report "
+            "this."
+        )
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+    def __init__(
+        self,
+        *,
+        activity_regularizer=None,
+        trainable=True,
+        dtype=None,
+        autocast=True,
+        name=None,
+        **kwargs,
+    ):
+        original(
+            self,
+            activity_regularizer=activity_regularizer,
+            trainable=trainable,
+            dtype=dtype,
+            autocast=autocast,
+            name=name,
+            **kwargs,
+        )
         choosers = _choosers()
         if choosers:
-            on_layer_created(self, kwargs.get("dtype"), choosers[-1])
+            on_layer_created(self, dtype, choosers[-1])
 
-    __init__.__wrapped__ = original
+    __init__.__doc__ = original.__doc__
     return __init__
 
 
@@ -173,8 +211,24 @@ def rebuild(model, chooser):
     _copy_weights(model, new)
     compile_config = model.get_compile_config() if model.compiled else None
     if compile_config:
-        new.compile_from_config(compile_config)
+        new.compile_from_config(_without_needless_scaling(compile_config, new))
     return new
+
+
+def _without_needless_scaling(compile_config, model):
+    """Drops a saved loss-scale wrapper where no layer computes in float16
+    any more; the compile hook adds one again where one does."""
+    optimizer = compile_config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return compile_config
+    inner = (optimizer.get("config") or {}).get("inner_optimizer")
+    if optimizer.get("class_name") != "LossScaleOptimizer" or not inner:
+        return compile_config
+    if any(
+        layer.compute_dtype == "float16" for layer in _leaf_layers(model)
+    ):
+        return compile_config
+    return {**compile_config, "optimizer": inner}
 
 
 def _copy_weights(old, new):
