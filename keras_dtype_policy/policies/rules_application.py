@@ -137,6 +137,9 @@ def apply_rules(model, rules, keep_float32=True):
     (Keras writes one when its constructor's arguments are plain values)
     and gets its sublayers' policies as they are created again. A compiled
     model is compiled again from its compile config, with a new optimizer.
+    A subclassed model's per-layer policies live in its code, not in its
+    config: after saving, load it with `keras_dtype_policy.load_model(path,
+    rules=...)` (or inside `precision_scope`) to have them again.
 
     Args:
         model: A built `keras.Model`.
@@ -149,6 +152,7 @@ def apply_rules(model, rules, keep_float32=True):
         A new `keras.Model`.
     """
     rules = _as_rules(rules)
+    _check_model(model)
     return rebuild(model, rules_chooser(model, rules, keep_float32))
 
 
@@ -189,16 +193,7 @@ def rebuild(model, chooser):
     Returns:
         A new `keras.Model`, with `model`'s weights.
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model. "
-            f"Received: model={model!r} (of type {type(model).__name__})"
-        )
-    if not model.built:
-        raise ValueError(
-            f"`model` must be built, to have weights to keep. Received: "
-            f"model={model.name!r}, not built"
-        )
+    _check_model(model)
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
     with _choosing(lambda layer, dtype: chooser(layer, dtype)):
@@ -231,6 +226,19 @@ def _without_needless_scaling(compile_config, model):
     return {**compile_config, "optimizer": inner}
 
 
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model. "
+            f"Received: model={model!r} (of type {type(model).__name__})"
+        )
+    if not model.built:
+        raise ValueError(
+            f"`model` must be built, to have weights to keep. Received: "
+            f"model={model.name!r}, not built"
+        )
+
+
 def _copy_weights(old, new):
     old_weights = old.weights
     new_weights = new.weights
@@ -257,7 +265,8 @@ def _cast_checked(value, variable):
     dtype = keras.backend.standardize_dtype(variable.dtype)
     if not keras.backend.is_float_dtype(dtype):
         return value
-    cast = value.astype(_numpy_dtype(dtype))
+    with np.errstate(over="ignore"):
+        cast = value.astype(_numpy_dtype(dtype))
     finite = np.isfinite(value)
     if np.any(finite & ~np.isfinite(cast.astype("float32"))):
         raise ValueError(
