@@ -14,8 +14,11 @@ from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.policy import DTypePolicy
 
 
-def _policy(argument_name, value):
-    """Returns `value` (a name or a policy) as a float `DTypePolicy`."""
+def float_policy(argument_name, value):
+    """Returns `value` (a name or a policy) as a float `DTypePolicy`.
+
+    Raises a `ValueError` naming `argument_name` for anything else.
+    """
     if isinstance(value, keras.DTypePolicy) and not isinstance(
         value, keras.dtype_policies.DTypePolicyMap
     ):
@@ -97,7 +100,7 @@ class PrecisionRule:
     why: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "policy", _policy("policy", self.policy))
+        object.__setattr__(self, "policy", float_policy("policy", self.policy))
         object.__setattr__(self, "layers", _class_names(self.layers))
         object.__setattr__(self, "names", _strings("names", self.names))
         if not self.layers and not self.names:
@@ -156,7 +159,7 @@ class PrecisionRules:
     """
 
     def __init__(self, default, rules=()):
-        self._default = _policy("default", default)
+        self._default = float_policy("default", default)
         rules = tuple(rules)
         for rule in rules:
             if not isinstance(rule, PrecisionRule):

@@ -7,7 +7,6 @@ built one, every layer's policy chosen anew and the weights copied (cast
 where a variable's dtype changes).
 """
 
-import collections
 import contextlib
 import inspect
 import threading
@@ -145,8 +144,7 @@ def apply_rules(model, rules, keep_float32=True):
         model: A built `keras.Model`.
         rules: A `PrecisionRules`, or a policy name for every layer.
         keep_float32: Keep the layers that `model` pins to float32 (those
-            computing in float32 while most of its layers do not) in
-            float32.
+            computing in float32 while others do not) in float32.
 
     Returns:
         A new `keras.Model`.
@@ -170,15 +168,12 @@ def rules_chooser(model, rules, keep_float32=True):
 
 
 def float32_is_pinned(model):
-    """True if most of `model`'s layers compute in a dtype other than
+    """True if some of `model`'s layers compute in a dtype other than
     float32: its float32 layers are then pinned there on purpose."""
-    counts = collections.Counter(
-        layer.dtype_policy.compute_dtype for layer in _leaf_layers(model)
+    return any(
+        layer.dtype_policy.compute_dtype != "float32"
+        for layer in _leaf_layers(model)
     )
-    if not counts:
-        return False
-    most_common = counts.most_common(1)[0][0]
-    return most_common != "float32"
 
 
 def rebuild(model, chooser):

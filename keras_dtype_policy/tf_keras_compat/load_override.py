@@ -21,7 +21,7 @@ def load_model(path, policy=None, rules=None, keep_float32=True):
         rules: A `PrecisionRules` deciding each layer's policy instead
             (give `policy` or `rules`, not both); or None.
         keep_float32: Keep the layers that the file pins to float32 (those
-            computing in float32 while most layers do not) in float32.
+            computing in float32 while others do not) in float32.
 
     Returns:
         The model. With neither `policy` nor `rules` it is the model as
@@ -61,5 +61,7 @@ def override_rules(policy, rules):
             )
         return rules
     if policy is not None:
-        return precision_rules.PrecisionRules(policy)
+        return precision_rules.PrecisionRules(
+            precision_rules.float_policy("policy", policy)
+        )
     return None
