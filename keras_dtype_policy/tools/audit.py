@@ -41,8 +41,9 @@ class LayerAudit:
             output is not finite.
         nonfinite: The fraction of its candidate outputs that are inf or
             NaN (also those an earlier layer caused).
-        overflow: The fraction of its finite float32 outputs that become
-            infinite in the compute dtype.
+        overflow: The fraction of its finite float32 inputs, or of its
+            outputs (whichever is larger), that become infinite in the
+            compute dtype: a layer casts its inputs to it on entry.
         flush_to_zero: The fraction of its nonzero float32 outputs that
             become zero in the compute dtype.
         gradient_underflow: The fraction of its nonzero weight gradients
@@ -334,8 +335,8 @@ def audit(
     candidate = rules_application.apply_rules(model, candidate_rules, True)
     reference_layers = _audited_layers(reference)
     candidate_layers = _audited_layers(candidate)
-    ref_outputs = _run(reference, reference_layers, x, batch_size)
-    cand_outputs = _run(candidate, candidate_layers, x, batch_size)
+    ref_values, ref_final = _run(reference, reference_layers, x, batch_size)
+    cand_values, cand_final = _run(candidate, candidate_layers, x, batch_size)
 
     gradients = None
     if y is not None and loss is not None:
@@ -343,26 +344,27 @@ def audit(
             reference, _first(x, batch_size), _first(y, batch_size), loss
         )
     uses_float16 = any(
-        layer.compute_dtype == "float16" for layer, _ in candidate_layers
+        layer.compute_dtype == "float16" for layer, _, _ in candidate_layers
     )
     scale = None
     if gradients is not None and uses_float16:
         scale = _loss_scale(gradients.values())
 
     rows = []
-    for (ref_layer, ref_out), (cand_layer, cand_out) in zip(
-        zip(reference_layers, ref_outputs[:-1], strict=True),
-        zip(candidate_layers, cand_outputs[:-1], strict=True),
-        strict=True,
-    ):
-        layer = ref_layer[0]
-        dtype = cand_layer[0].compute_dtype
+    for index, (layer, _, _) in enumerate(reference_layers):
+        dtype = candidate_layers[index][0].compute_dtype
         rows.append(
             _layer_row(
-                layer, dtype, ref_out, cand_out, gradients, scale, tolerance
+                layer,
+                dtype,
+                ref_values[index],
+                cand_values[index][1],
+                gradients,
+                scale,
+                tolerance,
             )
         )
-    output_error = _relative_error(ref_outputs[-1], cand_outputs[-1])
+    output_error = _relative_error(ref_final, cand_final)
     reasons = []
     for row in rows:
         if row.keep_float32:
@@ -417,36 +419,44 @@ def _check_model(model):
 
 
 def _audited_layers(model):
-    """Returns `(layer, flat outputs)` for each top-level layer."""
+    """Returns `(layer, flat inputs, flat outputs)` per top-level layer."""
     found = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
         try:
+            inputs = keras.tree.flatten(layer.input)
             outputs = keras.tree.flatten(layer.output)
         except (AttributeError, ValueError):
             continue  # a layer called more than once has no one output
-        found.append((layer, outputs))
+        found.append((layer, inputs, outputs))
     return found
 
 
 def _run(model, layers, x, batch_size):
-    """Returns each layer's outputs, then the model's, as float64 lists."""
-    outputs = [out for _, layer_outputs in layers for out in layer_outputs]
+    """Returns `(inputs, outputs)` of each layer, then the model's outputs.
+
+    Every value is a NumPy array.
+    """
+    tensors = []
+    for _, inputs, outputs in layers:
+        tensors += inputs + outputs
     model_outputs = keras.tree.flatten(model.outputs)
-    probe = keras.Model(model.inputs, outputs + model_outputs)
+    probe = keras.Model(model.inputs, tensors + model_outputs)
     values = probe.predict(x, batch_size=batch_size, verbose=0)
     values = [np.asarray(v) for v in keras.tree.flatten(values)]
     grouped = []
     index = 0
-    for _, layer_outputs in layers:
-        grouped.append(values[index : index + len(layer_outputs)])
-        index += len(layer_outputs)
-    grouped.append(values[index:])
-    return grouped
+    for _, inputs, outputs in layers:
+        middle = index + len(inputs)
+        end = middle + len(outputs)
+        grouped.append((values[index:middle], values[middle:end]))
+        index = end
+    return grouped, values[index:]
 
 
-def _layer_row(layer, dtype, ref_out, cand_out, gradients, scale, tolerance):
+def _layer_row(layer, dtype, ref, cand_out, gradients, scale, tolerance):
+    ref_in, ref_out = ref
     reference = _flat(ref_out)
     candidate = _flat(cand_out)
     row = LayerAudit(
@@ -455,7 +465,9 @@ def _layer_row(layer, dtype, ref_out, cand_out, gradients, scale, tolerance):
         compute_dtype=dtype,
         relative_error=_relative_error(ref_out, cand_out),
         nonfinite=_mean(~np.isfinite(candidate)) if candidate.size else 0.0,
-        overflow=_overflow(reference, dtype),
+        overflow=max(
+            _overflow(_flat(ref_in), dtype), _overflow(reference, dtype)
+        ),
         flush_to_zero=_flush(reference, dtype, 1.0),
     )
     if gradients is not None and layer.trainable_weights:
@@ -468,7 +480,8 @@ def _layer_row(layer, dtype, ref_out, cand_out, gradients, scale, tolerance):
     if dtype != "float32":
         if row.overflow > 0:
             reasons.append(
-                f"{_fraction(row.overflow)} of its outputs overflow {dtype}"
+                f"{_fraction(row.overflow)} of its inputs or outputs "
+                f"overflow {dtype}"
             )
         if row.flush_to_zero > tolerance:
             reasons.append(

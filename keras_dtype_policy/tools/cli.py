@@ -23,6 +23,7 @@ import sys
 PROG = "keras-dtype-policy"
 USAGE_ERROR = 2
 FAILURE = 1
+UNSAFE = 3  # `audit`: the policy is not safe for the model
 
 
 class CommandError(Exception):
@@ -238,7 +239,7 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         _check_backend()
-        args.handler(args)
+        status = args.handler(args)
     except CommandError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return error.status
@@ -249,7 +250,7 @@ def main(argv=None):
         # The reader went away (`| head`): nothing more to say to it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return FAILURE
-    return 0
+    return status or 0
 
 
 def _check_backend():
@@ -347,8 +348,7 @@ def _run_audit(args):
         print(str(table))
     if plot_path is not None:
         table.plot(plot_path)
-    if not table.safe:
-        raise SystemExit(3)
+    return 0 if table.safe else UNSAFE
 
 
 def _check_policy_option(name):
