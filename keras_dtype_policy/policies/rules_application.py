@@ -214,9 +214,7 @@ def _without_needless_scaling(compile_config, model):
     inner = (optimizer.get("config") or {}).get("inner_optimizer")
     if optimizer.get("class_name") != "LossScaleOptimizer" or not inner:
         return compile_config
-    if any(
-        layer.compute_dtype == "float16" for layer in _leaf_layers(model)
-    ):
+    if any(layer.compute_dtype == "float16" for layer in _leaf_layers(model)):
         return compile_config
     return {**compile_config, "optimizer": inner}
 

@@ -18,10 +18,10 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
-from keras_dtype_policy.policies.introspection import public_class_name
-from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
+from keras_dtype_policy.policies.introspection import public_class_name
+from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import config_translation
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs

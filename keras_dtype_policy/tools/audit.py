@@ -132,15 +132,10 @@ class AuditTable:
             "rules": self.rules.get_config(),
             "samples": self.samples,
             "generated_inputs": self.generated_inputs,
-            "output_relative_error": _json_number(
-                self.output_relative_error
-            ),
+            "output_relative_error": _json_number(self.output_relative_error),
             "loss_scale": self.loss_scale,
             "layers": [
-                {
-                    k: _json_number(v)
-                    for k, v in dataclasses.asdict(row).items()
-                }
+                {k: _json_number(v) for k, v in dataclasses.asdict(row).items()}
                 for row in self.rows
             ],
             "safe": self.safe,
@@ -187,8 +182,7 @@ class AuditTable:
             "",
             *tables.format_table(header, rows, align="lllrrrrrrl"),
             "",
-            "output relative error: "
-            f"{_error(self.output_relative_error)}",
+            f"output relative error: {_error(self.output_relative_error)}",
         ]
         if self.loss_scale is not None:
             lines.append(
@@ -305,7 +299,7 @@ def audit(
 
     Example:
 
-    >>> table = keras_dtype_policy.audit(model, "mixed_float16")  # doctest: +SKIP
+    >>> table = keras_dtype_policy.audit(model)  # doctest: +SKIP
     >>> print(table)  # doctest: +SKIP
     """
     if policy is None and rules is None:
@@ -317,8 +311,7 @@ def audit(
     for name, value in (("max_relative_error", max_relative_error),):
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(
-                f"`{name}` must be a number above 0. Received: "
-                f"{name}={value!r}"
+                f"`{name}` must be a number above 0. Received: {name}={value!r}"
             )
     if not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
         raise ValueError(

@@ -168,9 +168,7 @@ def test_the_command_reports_and_exits_3_when_unsafe(overflowing_file, capsys):
     )
 
 
-def test_the_command_prints_a_table_for_a_safe_policy(
-    overflowing_file, capsys
-):
+def test_the_command_prints_a_table_for_a_safe_policy(overflowing_file, capsys):
     path, _ = overflowing_file
     status = cli.main(["audit", str(path), "--policy", "mixed_bfloat16"])
     # bfloat16 holds the large values; the head's error stays small.

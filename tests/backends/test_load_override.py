@@ -53,9 +53,7 @@ def predict(model, x):
 
 @pytest.mark.parametrize("suffix", [".h5", ".keras"])
 @pytest.mark.parametrize("name", MODELS)
-def test_a_float32_override_computes_the_saved_model_in_float32(
-    name, suffix
-):
+def test_a_float32_override_computes_the_saved_model_in_float32(name, suffix):
     path = FIXTURES / f"{name}{suffix}"
     saved = kdp.load_model(path)
     model = kdp.load_model(path, policy="float32")
@@ -70,7 +68,9 @@ def test_a_float32_override_computes_the_saved_model_in_float32(
         np.testing.assert_array_equal(a, b)
     x = INPUTS[name]
     expected = predict(float32_reference(saved), x)
-    np.testing.assert_allclose(predict(model, x), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        predict(model, x), expected, rtol=1e-5, atol=1e-6
+    )
     # The saved (mixed) predictions differ from float32 by rounding only.
     mixed = np.load(FIXTURES / f"{name}.predictions.npz")["y"]
     np.testing.assert_allclose(predict(model, x), mixed, atol=5e-2)

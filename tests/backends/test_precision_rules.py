@@ -156,9 +156,7 @@ def test_the_scope_keeps_an_explicit_dtype():
 
 
 @pytest.mark.parametrize("build", [functional, sequential, subclassed])
-def test_applied_rules_keep_weights_and_survive_save_and_load(
-    build, tmp_path
-):
+def test_applied_rules_keep_weights_and_survive_save_and_load(build, tmp_path):
     model = build()
     expected = keras.ops.convert_to_numpy(model(X))
     new = kdp.apply_rules(model, RULES)
