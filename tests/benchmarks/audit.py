@@ -1,6 +1,6 @@
 """Benchmark 5: the numerics audit of a model of about 300,000 parameters.
 
-An MLP 784-320-160-10 (304,970 parameters), compiled with a loss, is
+An MLP 784-320-160-10 (304,170 parameters), compiled with a loss, is
 audited on 256 samples with labels (so the gradient columns are computed
 too) under mixed_float16 and mixed_bfloat16: the wall time of
 `keras_dtype_policy.audit`, rebuilding both copies included. The issue asks
