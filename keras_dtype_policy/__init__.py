@@ -116,11 +116,18 @@ if _backend_error is None:
     from keras_dtype_policy.policies.global_policy import set_dtype_policy
     from keras_dtype_policy.policies.hardware import SlowFloat16Warning
     from keras_dtype_policy.policies.policy import DTypePolicy
+    from keras_dtype_policy.policies.precision_rules import PrecisionRule
+    from keras_dtype_policy.policies.precision_rules import PrecisionRules
+    from keras_dtype_policy.policies.precision_rules import float16_rules
+    from keras_dtype_policy.policies.rules_application import apply_rules
+    from keras_dtype_policy.policies.rules_application import precision_scope
     from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
     from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
     from keras_dtype_policy.tf_keras_compat.legacy_policy import global_policy
     from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
+    from keras_dtype_policy.tf_keras_compat.load_override import load_model
+    from keras_dtype_policy.tools.audit import audit
 
     install()
 
@@ -132,15 +139,22 @@ __all__ = [
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "Policy",
+    "PrecisionRule",
+    "PrecisionRules",
     "SlowFloat16Warning",
+    "apply_rules",
+    "audit",
     "dtype_policy",
     "experimental",
+    "float16_rules",
     "get_loss_scale",
     "global_policy",
     "install",
     "is_installed",
+    "load_model",
     "model_from_json",
     "policy_scope",
+    "precision_scope",
     "set_dtype_policy",
     "set_policy",
     "uninstall",

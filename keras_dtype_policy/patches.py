@@ -10,6 +10,7 @@ import dataclasses
 import types
 
 from keras.src import dtype_policies
+from keras.src.layers.layer import Layer
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.legacy.saving import saving_utils
 from keras.src.ops.operation import Operation
@@ -18,6 +19,7 @@ from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
 from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
@@ -85,6 +87,12 @@ PATCHES = (
         "load_model_from_hdf5",
         optimizer_state.make_h5_model_loader,
         "Keep .h5 optimizer state past the loader's empty placeholder build.",
+    ),
+    Patch(
+        Layer,
+        "__init__",
+        rules_application.make_layer_init,
+        "Let a precision_scope choose the policy of each new layer.",
     ),
 )
 

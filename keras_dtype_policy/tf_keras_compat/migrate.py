@@ -18,6 +18,8 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.policies import precision_rules
+from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.policies.policy import DTypePolicy
@@ -69,7 +71,7 @@ class Migration:
     optimizer_values: int
 
 
-def migrate(old, new, overwrite=False):
+def migrate(old, new, overwrite=False, policy=None):
     """Rewrites the model file `old` as the Keras 3 `.keras` file `new`.
 
     Args:
@@ -77,6 +79,9 @@ def migrate(old, new, overwrite=False):
             saved it.
         new: The `.keras` file to write.
         overwrite: Whether an existing `new` may be replaced.
+        policy: A policy name (or `PrecisionRules`) to give every layer
+            instead of the file's, the layers it pins to float32 kept (see
+            `load_override.load_model`); None keeps the file's policies.
 
     Returns:
         A `Migration`.
@@ -106,6 +111,8 @@ def migrate(old, new, overwrite=False):
     adopt_package_policies(model, source.model_config)
     changes = [_with_loaded_policy(change, model) for change in changes]
     notes = [m for m in messages if "loss scale" not in m]
+    if policy is not None:
+        model = _override_policy(model, policy, changes, notes)
     optimizer = getattr(model, "optimizer", None)
     if (
         source.from_tf_keras
@@ -130,6 +137,39 @@ def migrate(old, new, overwrite=False):
         weights=weights,
         optimizer_values=optimizer_values,
     )
+
+
+def _override_policy(model, policy, changes, notes):
+    """Rebuilds `model` under `policy`, listing each layer's new policy."""
+    try:
+        rules = policy
+        if not isinstance(policy, precision_rules.PrecisionRules):
+            rules = precision_rules.PrecisionRules(policy)
+        new = rules_application.apply_rules(model, rules)
+    except (TypeError, ValueError) as error:
+        raise ModelFileError(f"--policy: {error}") from None
+    model_files.build_optimizer(new)
+    before = {layer.path: layer for layer in _all_layers(model)}
+    for layer in _all_layers(new):
+        old = before.get(layer.path)
+        if old is not None and old.dtype_policy != layer.dtype_policy:
+            changes.append(
+                Change(
+                    layer.path,
+                    f'policy "{old.dtype_policy.name}" -> '
+                    f'"{layer.dtype_policy.name}" (--policy)',
+                )
+            )
+    if getattr(new, "optimizer", None) is not None:
+        notes.append(
+            "--policy: the model is compiled again under its new policy; "
+            "the optimizer's state starts afresh"
+        )
+    return new
+
+
+def _all_layers(model):
+    return model._flatten_layers(include_self=False, recursive=True)
 
 
 def config_changes(source):

@@ -23,6 +23,7 @@ import sys
 PROG = "keras-dtype-policy"
 USAGE_ERROR = 2
 FAILURE = 1
+UNSAFE = 3  # `audit`: the policy is not safe for the model
 
 
 class CommandError(Exception):
@@ -69,6 +70,7 @@ def build_parser():
     _add_inspect(commands)
     _add_migrate(commands)
     _add_doctor(commands)
+    _add_audit(commands)
     return parser
 
 
@@ -142,6 +144,12 @@ def _add_migrate(commands):
     migrate.add_argument(
         "--force", action="store_true", help="replace NEW if it exists"
     )
+    migrate.add_argument(
+        "--policy",
+        help="give every layer this policy (such as float32 or "
+        "mixed_bfloat16), weights cast where a variable's dtype changes; "
+        "layers the file pins to float32 stay float32",
+    )
     _add_import_option(migrate)
     migrate.set_defaults(handler=_run_migrate)
 
@@ -158,6 +166,50 @@ def _add_doctor(commands):
         "--json", action="store_true", help="print JSON, for machines"
     )
     doctor.set_defaults(handler=_run_doctor)
+
+
+def _add_audit(commands):
+    audit = commands.add_parser(
+        "audit",
+        help="compare a model under a policy with float32, layer by layer",
+        description="Run a .keras or .h5 model on real or generated inputs "
+        "in float32 and under a candidate policy, and show per layer the "
+        "relative error of its output, the fractions of its outputs that "
+        "overflow or flush to zero in the compute dtype and, with labels "
+        "and the model's compiled loss, of its weight gradients that flush "
+        "to zero without and with loss scaling; then the layers to keep in "
+        "float32 and whether the policy is safe. Exits with status 3 when "
+        "it is not.",
+    )
+    audit.add_argument("model", metavar="MODEL", help="a .keras or .h5 file")
+    audit.add_argument(
+        "--policy",
+        default="mixed_float16",
+        help="the candidate policy (default: mixed_float16)",
+    )
+    audit.add_argument(
+        "--data",
+        metavar="FILE.npz",
+        help="inputs in array 'x' (or one array per model input, by name) "
+        "and labels in 'y' (default: generated inputs, no labels)",
+    )
+    audit.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="use at most N samples (default: 256)",
+    )
+    audit.add_argument(
+        "--json", action="store_true", help="print JSON, for machines"
+    )
+    audit.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of the per-layer numbers (needs the 'plot' extra)",
+    )
+    _add_import_option(audit)
+    audit.set_defaults(handler=_run_audit)
 
 
 def _add_import_option(command):
@@ -187,7 +239,7 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         _check_backend()
-        args.handler(args)
+        status = args.handler(args)
     except CommandError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return error.status
@@ -198,7 +250,7 @@ def main(argv=None):
         # The reader went away (`| head`): nothing more to say to it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return FAILURE
-    return 0
+    return status or 0
 
 
 def _check_backend():
@@ -258,10 +310,89 @@ def _run_migrate(args):
 
     _import_modules(args.imports)
     try:
-        migration = migrate.migrate(args.old, args.new, overwrite=args.force)
+        migration = migrate.migrate(
+            args.old, args.new, overwrite=args.force, policy=args.policy
+        )
     except ModelFileError as error:
         raise CommandError(_with_hint(error)) from None
     print("\n".join(format_migration(migration)))
+
+
+def _run_audit(args):
+    from keras_dtype_policy.tf_keras_compat import model_files
+    from keras_dtype_policy.tools import audit
+
+    _check_policy_option(args.policy)
+    plot_path = None
+    if args.plot is not None:
+        plot_path = _check_plot_path(args.plot)
+    _import_modules(args.imports)
+    x, y = _read_audit_data(args.data, args.samples)
+    try:
+        model, _ = model_files.load_model(
+            model_files.read_model_file(args.model)
+        )
+    except model_files.ModelFileError as error:
+        raise CommandError(_with_hint(error)) from None
+    if isinstance(x, dict):
+        x = _inputs_by_name(model, x, args.data)
+    try:
+        table = audit.audit(
+            model, policy=args.policy, x=x, y=y, samples=args.samples
+        )
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"{args.model}: {error}") from None
+    if args.json:
+        print(json.dumps(table.to_dict(), indent=2))
+    else:
+        print(str(table))
+    if plot_path is not None:
+        table.plot(plot_path)
+    return 0 if table.safe else UNSAFE
+
+
+def _check_policy_option(name):
+    from keras_dtype_policy.policies import precision_rules
+
+    try:
+        precision_rules.PrecisionRules(name)
+    except ValueError:
+        raise CommandError(
+            f"--policy: expected a floating-point policy, such as "
+            f"mixed_float16 or mixed_bfloat16, not {name!r}",
+            status=USAGE_ERROR,
+        ) from None
+
+
+def _read_audit_data(path, samples):
+    """Returns `(x, y)` from an `.npz` file; x a dict for named inputs."""
+    if path is None:
+        return None, None
+    import numpy as np
+
+    try:
+        with np.load(path) as data:
+            arrays = {key: data[key][:samples] for key in data.files}
+    except (OSError, ValueError) as error:
+        raise CommandError(f"--data {path}: cannot be read: {error}") from None
+    y = arrays.pop("y", None)
+    if "x" in arrays:
+        return arrays["x"], y
+    if not arrays:
+        raise CommandError(f"--data {path}: holds no array 'x'")
+    return arrays, y
+
+
+def _inputs_by_name(model, arrays, path):
+    names = [tensor.name for tensor in model.inputs]
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        raise CommandError(
+            f"--data {path}: holds no array 'x' and none for the model's "
+            f"inputs {', '.join(missing)}"
+        )
+    values = [arrays[name] for name in names]
+    return values[0] if len(values) == 1 else values
 
 
 def _run_doctor(args):

@@ -4,6 +4,7 @@ import inspect
 
 import keras
 import pytest
+from keras.src.layers.layer import Layer
 from keras.src.ops.operation import Operation
 from keras.src.trainers.trainer import Trainer
 
@@ -47,6 +48,15 @@ EXPECTED_PARAMETERS = {
         "custom_objects",
         "compile",
         "safe_mode",
+    ],
+    "keras.src.layers.layer.Layer.__init__": [
+        "self",
+        "activity_regularizer",
+        "trainable",
+        "dtype",
+        "autocast",
+        "name",
+        "kwargs",
     ],
 }
 TARGETS = set(EXPECTED_PARAMETERS)
@@ -127,6 +137,25 @@ def test_without_the_hook_keras_rules_again():
         kdp.install()
     model.compile("sgd", "mse")
     assert isinstance(model.optimizer, kdp.LossScaleOptimizer)
+
+
+def test_without_the_layer_init_patch_a_precision_scope_does_nothing():
+    init = patches.installed_patches()["keras.src.layers.layer.Layer.__init__"]
+    assert Layer.__dict__["__init__"] is init[1]
+    # The replacement keeps Keras' signature: Keras reads it for configs.
+    assert inspect.signature(init[1]) == inspect.signature(init[0])
+    rules = kdp.PrecisionRules("mixed_bfloat16")
+    kdp.uninstall()
+    try:
+        assert Layer.__dict__["__init__"] is init[0]
+        with kdp.precision_scope(rules):
+            layer = keras.layers.Dense(1)
+        assert layer.dtype_policy.name == "float32"
+    finally:
+        kdp.install()
+    with kdp.precision_scope(rules):
+        layer = keras.layers.Dense(1)
+    assert layer.dtype_policy.name == "mixed_bfloat16"
 
 
 def test_install_refuses_a_moved_target(monkeypatch):

@@ -87,6 +87,7 @@ def render_backend(result):
         ("loss_scaling", _loss_scaling_section),
         ("speedup", _speedup_section),
         ("memory", _memory_section),
+        ("audit", audit_section),
     )
     for key, section in sections:
         if key in result:
@@ -293,6 +294,30 @@ def _memory_section(results):
             f"| {_mib(row['peak_over_baseline'])} "
             f"| {_mib(row['steady_peak_over_baseline'])} "
             f"| {_mib(row['device_peak'])} |"
+            for row in results["rows"]
+        ),
+        "",
+    ]
+
+
+def audit_section(results):
+    """Returns the markdown lines of the benchmark's results."""
+    setup = results["setup"]
+    return [
+        "### 5. The numerics audit",
+        "",
+        f"`keras_dtype_policy.audit` of an {setup['model']} "
+        f"({setup['parameters']:,} parameters) on {setup['samples']} "
+        "samples with labels: both copies rebuilt, every layer's inputs and "
+        "outputs read, gradients of one batch. Seconds, median "
+        f"(min-max) of {setup['repeats']} runs after a warm-up.",
+        "",
+        "| policy | seconds | verdict |",
+        "|---|---|---|",
+        *(
+            f"| {row['policy']} | {row['seconds']['median']:.2f} "
+            f"({row['seconds']['min']:.2f}-{row['seconds']['max']:.2f}) "
+            f"| {'safe' if row['safe'] else 'not safe'} |"
             for row in results["rows"]
         ),
         "",

@@ -105,7 +105,13 @@ def smoke(backend):
     (result,) = results
     for benchmark in BENCHMARKS:
         _expect(benchmark in result, f"{benchmark} in the JSON")
-    for title in ("Layer-call", "loss scaling", "mixed precision", "Memory"):
+    for title in (
+        "Layer-call",
+        "loss scaling",
+        "mixed precision",
+        "Memory",
+        "numerics audit",
+    ):
         _expect(title in markdown, f"{title!r} in the markdown")
     for key in ("cpu", "cpu_flags", "versions", "date"):
         _expect(key in result["machine"], f"machine {key}")

@@ -5,7 +5,7 @@ Importing this module imports no backend and not Keras.
 
 import dataclasses
 
-BENCHMARKS = ("layer_call", "loss_scaling", "speedup", "memory")
+BENCHMARKS = ("layer_call", "loss_scaling", "speedup", "memory", "audit")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 

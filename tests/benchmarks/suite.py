@@ -9,6 +9,7 @@ import time
 
 import keras
 
+from tests.benchmarks import audit
 from tests.benchmarks import backend_support
 from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
@@ -52,6 +53,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "loss_scaling": lambda: loss_scaling.run(sizes),
         "speedup": lambda: speedup.run(sizes),
         "memory": lambda: memory.run(name, sizes, threads),
+        "audit": lambda: audit.run(sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:

@@ -1,0 +1,299 @@
+"""Putting precision rules to work: a scope, and rebuilding a model.
+
+`precision_scope` gives the layers created inside it their policy from the
+rules (through the `Layer.__init__` patch in `patches.py`, which calls
+`on_layer_created`). `apply_rules` and `rebuild` make a new model from a
+built one, every layer's policy chosen anew and the weights copied (cast
+where a variable's dtype changes).
+"""
+
+import contextlib
+import inspect
+import threading
+
+import keras
+import numpy as np
+
+from keras_dtype_policy.policies import precision_rules
+
+_state = threading.local()
+
+
+def _choosers():
+    if not hasattr(_state, "choosers"):
+        _state.choosers = []
+    return _state.choosers
+
+
+# Keras' `Layer.__init__` arguments; Keras reads the signature of
+# `__init__` to record a layer's config, so the replacement keeps it.
+_LAYER_INIT_ARGUMENTS = (
+    "self",
+    "activity_regularizer",
+    "trainable",
+    "dtype",
+    "autocast",
+    "name",
+    "kwargs",
+)
+
+
+def make_layer_init(original):
+    """Returns `Layer.__init__` that lets an active scope pick the policy."""
+    found = tuple(inspect.signature(original).parameters)
+    if found != _LAYER_INIT_ARGUMENTS:
+        raise RuntimeError(
+            "keras_dtype_policy cannot patch Layer.__init__: its arguments "
+            f"are now {found}, not {_LAYER_INIT_ARGUMENTS}. Please report "
+            "this."
+        )
+
+    def __init__(
+        self,
+        *,
+        activity_regularizer=None,
+        trainable=True,
+        dtype=None,
+        autocast=True,
+        name=None,
+        **kwargs,
+    ):
+        original(
+            self,
+            activity_regularizer=activity_regularizer,
+            trainable=trainable,
+            dtype=dtype,
+            autocast=autocast,
+            name=name,
+            **kwargs,
+        )
+        choosers = _choosers()
+        if choosers:
+            on_layer_created(self, dtype, choosers[-1])
+
+    __init__.__doc__ = original.__doc__
+    return __init__
+
+
+def on_layer_created(layer, requested_dtype, chooser):
+    """Gives a new layer the policy that the active chooser picks."""
+    if isinstance(layer, keras.layers.InputLayer):
+        return
+    policy = chooser(layer, requested_dtype)
+    if policy is not None:
+        layer._dtype_policy = policy
+
+
+@contextlib.contextmanager
+def _choosing(chooser):
+    choosers = _choosers()
+    choosers.append(chooser)
+    try:
+        yield
+    finally:
+        choosers.pop()
+
+
+@contextlib.contextmanager
+def precision_scope(rules):
+    """Layers created in this block get their policy from `rules`.
+
+    Layers given a `dtype` explicitly keep it. Outside the block, layers
+    get the global policy again.
+
+    Args:
+        rules: A `PrecisionRules`, or a policy name for rules with no
+            exceptions.
+
+    Example:
+
+    >>> with keras_dtype_policy.precision_scope(
+    ...     keras_dtype_policy.float16_rules()
+    ... ):
+    ...     model = keras.Sequential(
+    ...         [keras.Input((4,)), keras.layers.Dense(3, name="logits")]
+    ...     )
+    >>> model.layers[-1].dtype_policy.name
+    'float32'
+    """
+    rules = _as_rules(rules)
+
+    def chooser(layer, requested_dtype):
+        if requested_dtype is not None:
+            return None
+        return rules.policy_for(layer)
+
+    with _choosing(chooser):
+        yield rules
+
+
+def apply_rules(model, rules, keep_float32=True):
+    """Returns a copy of `model` whose layers carry the rules' policies.
+
+    The copy has the same architecture and weights (cast where a
+    variable's dtype changes). Functional and Sequential models are
+    rebuilt from their configs; a subclassed model needs `get_config`
+    (Keras writes one when its constructor's arguments are plain values)
+    and gets its sublayers' policies as they are created again. A compiled
+    model is compiled again from its compile config, with a new optimizer.
+    A subclassed model's per-layer policies live in its code, not in its
+    config: after saving, load it with `keras_dtype_policy.load_model(path,
+    rules=...)` (or inside `precision_scope`) to have them again.
+
+    Args:
+        model: A built `keras.Model`.
+        rules: A `PrecisionRules`, or a policy name for every layer.
+        keep_float32: Keep the layers that `model` pins to float32 (those
+            computing in float32 while others do not) in float32.
+
+    Returns:
+        A new `keras.Model`.
+    """
+    rules = _as_rules(rules)
+    _check_model(model)
+    return rebuild(model, rules_chooser(model, rules, keep_float32))
+
+
+def rules_chooser(model, rules, keep_float32=True):
+    """Returns the chooser that `rebuild` needs to apply `rules`."""
+    pinned = keep_float32 and float32_is_pinned(model)
+
+    def chooser(layer, requested_dtype):
+        current = layer.dtype_policy
+        if pinned and current.compute_dtype == "float32":
+            return None
+        return rules.policy_for(layer)
+
+    return chooser
+
+
+def float32_is_pinned(model):
+    """True if some of `model`'s layers compute in a dtype other than
+    float32: its float32 layers are then pinned there on purpose."""
+    return any(
+        layer.dtype_policy.compute_dtype != "float32"
+        for layer in _leaf_layers(model)
+    )
+
+
+def rebuild(model, chooser):
+    """Returns a copy of `model` with each layer's policy from `chooser`.
+
+    Args:
+        model: A built `keras.Model`.
+        chooser: `chooser(layer, requested_dtype)` returns the policy of
+            a newly created layer (its policy is still the one the config
+            gives), or None to keep that.
+
+    Returns:
+        A new `keras.Model`, with `model`'s weights.
+    """
+    _check_model(model)
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    with _choosing(lambda layer, dtype: chooser(layer, dtype)):
+        new = keras.saving.deserialize_keras_object(config)
+    if not new.built:
+        raise ValueError(
+            f"The copy of model {model.name!r} could not be built from its "
+            "config; build it with known input shapes first"
+        )
+    _copy_weights(model, new)
+    compile_config = model.get_compile_config() if model.compiled else None
+    if compile_config:
+        new.compile_from_config(_without_needless_scaling(compile_config, new))
+    return new
+
+
+def _without_needless_scaling(compile_config, model):
+    """Drops a saved loss-scale wrapper where no layer computes in float16
+    any more; the compile hook adds one again where one does."""
+    optimizer = compile_config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return compile_config
+    inner = (optimizer.get("config") or {}).get("inner_optimizer")
+    if optimizer.get("class_name") != "LossScaleOptimizer" or not inner:
+        return compile_config
+    if any(layer.compute_dtype == "float16" for layer in _leaf_layers(model)):
+        return compile_config
+    return {**compile_config, "optimizer": inner}
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model. "
+            f"Received: model={model!r} (of type {type(model).__name__})"
+        )
+    if not model.built:
+        raise ValueError(
+            f"`model` must be built, to have weights to keep. Received: "
+            f"model={model.name!r}, not built"
+        )
+
+
+def _copy_weights(old, new):
+    old_weights = old.weights
+    new_weights = new.weights
+    if len(old_weights) != len(new_weights):
+        raise ValueError(
+            f"The copy of model {old.name!r} has {len(new_weights)} weights "
+            f"instead of {len(old_weights)}; it cannot take its weights"
+        )
+    for source, target in zip(old_weights, new_weights, strict=True):
+        value = keras.ops.convert_to_numpy(source.value)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"The copy of model {old.name!r} differs from it: weight "
+                f"{target.path} has shape {tuple(target.shape)}, the "
+                f"original's {source.path} {tuple(value.shape)}"
+            )
+        if target.dtype != source.dtype:
+            value = _cast_checked(value, target)
+        target.assign(value)
+
+
+def _cast_checked(value, variable):
+    """Casts a weight's value, refusing values the new dtype cannot hold."""
+    dtype = keras.backend.standardize_dtype(variable.dtype)
+    if not keras.backend.is_float_dtype(dtype):
+        return value
+    with np.errstate(over="ignore"):
+        cast = value.astype(_numpy_dtype(dtype))
+    finite = np.isfinite(value)
+    if np.any(finite & ~np.isfinite(cast.astype("float32"))):
+        raise ValueError(
+            f"Weight {variable.path} has values beyond the range of "
+            f"{dtype} (largest |value| {np.max(np.abs(value)):.4g}); keep "
+            "its layer's variables in float32 (a mixed policy)"
+        )
+    return cast
+
+
+def _numpy_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _leaf_layers(model):
+    layers = model._flatten_layers(include_self=False, recursive=True)
+    return [
+        layer
+        for layer in layers
+        if not isinstance(layer, keras.layers.InputLayer)
+        and not list(layer._flatten_layers(include_self=False))
+    ]
+
+
+def _as_rules(rules):
+    if isinstance(rules, precision_rules.PrecisionRules):
+        return rules
+    if isinstance(rules, (str, keras.DTypePolicy)):
+        return precision_rules.PrecisionRules(rules)
+    raise TypeError(
+        "`rules` must be a PrecisionRules or a policy name. "
+        f"Received: rules={rules!r} (of type {type(rules).__name__})"
+    )
