@@ -1,1 +1,1 @@
-"""The user's tools: the command line, the demo, doctor and reports."""
+"""The user's tools: the command line, the demo, doctor, reports, the audit."""

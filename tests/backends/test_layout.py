@@ -2,8 +2,9 @@
 
 The policy core imports no other wing; loss scaling imports the core;
 tf.keras 2 compatibility imports the core and loss scaling; the tools may
-import every wing; nothing imports the tools. The top-level modules
-(`__init__`, `experimental`, `patches`) assemble the wings. Imports inside
+import every wing; no wing imports the tools. The top-level modules
+(`__init__`, `experimental`, `patches`) assemble the wings (`__init__`
+exports the audit, a tool). Imports inside
 functions count too: a lazy import is still a dependency.
 """
 
