@@ -193,9 +193,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _keras_layout(self):
         """This optimizer's variables but the skipped-step count."""
-        return [
-            v for v in self.variables if v is not self.skipped_step_counter
-        ]
+        skipped = getattr(self, "skipped_step_counter", None)
+        return [v for v in self.variables if v is not skipped]
 
     def _assign_saved(self, values):
         values = [np.asarray(v) for v in values]
