@@ -63,7 +63,12 @@ def new_model(mode):
 def fit(model, mode, epochs=1, **kwargs):
     x, y = data() if mode == "float32" else overflowing_data()
     model.fit(
-        x, y, batch_size=BATCH, shuffle=False, verbose=0, epochs=epochs,
+        x,
+        y,
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        epochs=epochs,
         **kwargs,
     )
 
@@ -160,9 +165,7 @@ def test_resumed_run_equals_the_straight_run(
 ):
     if file_format == "tf_checkpoint" and BACKEND != "tensorflow":
         pytest.skip("tf.train.Checkpoint exists on TensorFlow only")
-    resumed = state(
-        resumed_run(mode, file_format, saved_runs[mode], tmp_path)
-    )
+    resumed = state(resumed_run(mode, file_format, saved_runs[mode], tmp_path))
     straight = straight_runs[mode]
     assert sorted(resumed) == sorted(straight)
     if mode == "float32":
