@@ -170,9 +170,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         values = optimizer_state.store_values(store)
         if not self.built and values:
-            optimizer_state.keep_pending_values(
-                self, values, set_iterations=False
-            )
+            self._keep_pending_values(values)
         elif not (self.built and self._assign_saved(values)):
             super().load_own_variables(store)
 
@@ -181,15 +179,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         accepts."""
         weights = list(weights)
         if not self.built:
-            optimizer_state.keep_pending_values(
-                self, weights, set_iterations=False
-            )
+            self._keep_pending_values(weights)
         elif not self._assign_saved(weights):
             raise ValueError(
                 f"Cannot set {len(weights)} values on an optimizer with "
                 f"{len(self.variables)} variables (or its inner optimizer's "
                 f"{len(self.inner_optimizer.variables)})."
             )
+
+    def _keep_pending_values(self, values):
+        """Keeps values for the build; sets the inner step count now."""
+        optimizer_state.keep_pending_values(self, values, set_iterations=False)
+        step = _saved_inner_step(values)
+        if step is not None:
+            self.inner_optimizer.iterations.assign(step)
 
     def _keras_layout(self):
         """This optimizer's variables but the skipped-step count."""
@@ -431,6 +434,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+def _saved_inner_step(values):
+    """Returns the inner optimizer's step count among saved values, or None.
+
+    Saved by a loss-scale optimizer, the values start with its own step
+    count and learning rate, its counter and scale, (for earlier releases)
+    its skipped-step count, then the inner optimizer's step count and
+    learning rate. A tf.keras 2 file holds the inner state alone: its step
+    count comes first, followed by slots.
+    """
+    values = [np.asarray(v) for v in values]
+
+    def scalar(i, kinds):
+        return (
+            i < len(values)
+            and values[i].shape == ()
+            and values[i].dtype.kind in kinds
+        )
+
+    if scalar(1, "f"):
+        at = 4 if scalar(5, "f") else 5
+    else:
+        at = 0
+    return values[at] if scalar(at, "iu") else None
 
 
 # The settings Keras' own LossScaleOptimizer lacks, with their defaults.

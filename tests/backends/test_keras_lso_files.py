@@ -66,8 +66,10 @@ def test_keras_lso_files_load_exactly(name, file_format, caplog):
     else:
         # Keras' own wrapper, passed explicitly, is the user's choice.
         assert type(optimizer) is keras.optimizers.LossScaleOptimizer
+    # The inner step count is set at once, even before an .h5 file's state
+    # waits for the first real build (not the wrapper's own count, 0).
+    assert to_numpy(optimizer.iterations) == expected["iterations"]
     if not optimizer.built:
-        # An .h5 file's optimizer state waits for the first real build.
         optimizer.build(model.trainable_variables)
 
     for i, weight in enumerate(model.weights):

@@ -2,7 +2,8 @@
 
 For every way Keras saves a training run (.keras, .h5, .weights.h5 with
 the optimizer state it holds, BackupAndRestore, and tf.train.Checkpoint on
-TensorFlow), with no loss scaling, a dynamic and a fixed scale: a run of
+TensorFlow), with no loss scaling, the dynamic scale the compile hook
+installs, an explicit dynamic and a fixed scale: a run of
 three steps, saved, loaded and trained three more steps, ends with the
 weights, step count, loss scale, counters and every optimizer slot of a
 straight run of six steps, bitwise, on every backend (the tiny model's
@@ -20,7 +21,7 @@ from testing import to_numpy
 import keras_dtype_policy as kdp
 
 BATCH, BATCHES = 4, 3
-MODES = ("float32", "dynamic", "fixed")
+MODES = ("float32", "auto", "dynamic", "fixed")
 FORMATS = ("keras", "h5", "weights_h5", "backup", "tf_checkpoint")
 
 
@@ -47,6 +48,8 @@ def new_model(mode):
             keras.layers.Dense(1, dtype="float32"),
         ]
     )
+    # "auto": the compile hook wraps Adam in the dynamic wrapper with its
+    # defaults, and the compile config names Adam.
     optimizer = keras.optimizers.Adam(0.01)
     if mode == "dynamic":
         optimizer = kdp.LossScaleOptimizer(
@@ -172,12 +175,11 @@ def test_resumed_run_equals_the_straight_run(
         assert int(straight["iterations"]) == 2 * BATCHES
     else:
         # One overflowing step per epoch, skipped: not counted as an
-        # iteration, and the dynamic scale halves, grows after two finite
-        # steps, and halves again.
+        # iteration. A dynamic scale halves at each (growing after two
+        # finite steps with dynamic_growth_steps=2, never with 2000).
         assert int(straight["skipped steps"]) == 2
         assert int(straight["iterations"]) == 2 * BATCHES - 2
-        assert float(straight["loss scale"]) == (
-            2.0**9 if mode == "dynamic" else 128.0
-        )
+        expected_scale = {"auto": 2.0**13, "dynamic": 2.0**9, "fixed": 128.0}
+        assert float(straight["loss scale"]) == expected_scale[mode]
     for key, value in straight.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
