@@ -93,16 +93,6 @@ def state(model):
     return arrays
 
 
-@pytest.fixture(scope="module")
-def straight_runs():
-    runs = {}
-    for mode in MODES:
-        model = new_model(mode)
-        fit(model, mode, epochs=2)
-        runs[mode] = state(model)
-    return runs
-
-
 class Interrupt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1:
@@ -110,9 +100,14 @@ class Interrupt(keras.callbacks.Callback):
 
 
 @pytest.fixture(scope="module")
-def saved_runs(tmp_path_factory):
-    """One three-step run per mode, saved in every format."""
-    directories = {}
+def runs(tmp_path_factory):
+    """Per mode, a straight run of six steps, saved in every format after
+    the third; returns its final state and the directory of its files.
+
+    Saving reads the state and changes nothing, so the run that saved
+    stands for the uninterrupted one (`test_saving_changes_no_state`).
+    """
+    runs = {}
     for mode in MODES:
         directory = tmp_path_factory.mktemp(f"saved_{mode}")
         model = new_model(mode)
@@ -130,8 +125,9 @@ def saved_runs(tmp_path_factory):
                 model=model, optimizer=model.optimizer
             )
             checkpoint.write(str(directory / "checkpoint"))
-        directories[mode] = directory
-    return directories
+        fit(model, mode)
+        runs[mode] = state(model), directory
+    return runs
 
 
 def resumed_run(mode, file_format, directory, tmp_path):
@@ -163,13 +159,11 @@ def resumed_run(mode, file_format, directory, tmp_path):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("file_format", FORMATS)
-def test_resumed_run_equals_the_straight_run(
-    straight_runs, saved_runs, mode, file_format, tmp_path
-):
+def test_resumed_run_equals_the_straight_run(runs, mode, file_format, tmp_path):
     if file_format == "tf_checkpoint" and BACKEND != "tensorflow":
         pytest.skip("tf.train.Checkpoint exists on TensorFlow only")
-    resumed = state(resumed_run(mode, file_format, saved_runs[mode], tmp_path))
-    straight = straight_runs[mode]
+    straight, directory = runs[mode]
+    resumed = state(resumed_run(mode, file_format, directory, tmp_path))
     assert sorted(resumed) == sorted(straight)
     if mode == "float32":
         assert int(straight["iterations"]) == 2 * BATCHES
@@ -183,3 +177,12 @@ def test_resumed_run_equals_the_straight_run(
         assert float(straight["loss scale"]) == expected_scale[mode]
     for key, value in straight.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+def test_saving_changes_no_state(runs):
+    # A run that never saved ends as the run that saved in every format.
+    model = new_model("dynamic")
+    fit(model, "dynamic", epochs=2)
+    never_saved, straight = state(model), runs["dynamic"][0]
+    for key, value in straight.items():
+        np.testing.assert_array_equal(never_saved[key], value, err_msg=key)
