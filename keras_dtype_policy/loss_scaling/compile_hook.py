@@ -2,12 +2,14 @@
 
 import functools
 import inspect
+import warnings
 
 import keras
 
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
+from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 
 # Returned by `loss_scale_for_model` when the policy does not say.
@@ -28,8 +30,7 @@ def loss_scale_for_model(model):
     Returns:
         A loss-scale value, or None for no loss scaling.
     """
-    policy = model.dtype_policy
-    loss_scale = getattr(policy, "loss_scale", _UNSPECIFIED)
+    loss_scale = _policy_loss_scale(model)
     if loss_scale is not _UNSPECIFIED:
         return loss_scale
     if any(_computes_float16(p) for p in _policies_in(model)):
@@ -69,13 +70,56 @@ def wrap_optimizer(optimizer, loss_scale):
 
 def choose_optimizer(model, optimizer):
     """Returns the optimizer `model.compile` should use for `optimizer`."""
+    return choose_optimizers(model, optimizer)[0]
+
+
+def choose_optimizers(model, optimizer):
+    """Returns the optimizer to use, and the one the compile config names.
+
+    An optimizer's own `loss_scale_factor` is the user's choice of a fixed
+    scale: where the model asks for loss scaling it becomes the fixed scale
+    of the `LossScaleOptimizer` (with its finiteness check), instead of
+    being dropped for a dynamic scale. A policy's own loss scale that
+    differs from it gives way, with a warning.
+
+    Where the wrapping follows from the model alone (the float16 rule, or
+    the optimizer's own `loss_scale_factor`), the compile config names the
+    user's optimizer, as with Keras' own wrapping: loading the model wraps
+    it again, and Keras alone can read the file (see `README.md`).
+
+    Args:
+        model: The model being compiled.
+        optimizer: What was passed to `compile` as `optimizer`.
+
+    Returns:
+        A pair: the optimizer to train with, and the optimizer to record
+        in the model's compile config.
+    """
     if optimizer is None:
-        return None
+        return None, None
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer
+        return optimizer, optimizer
     optimizer_state.teach_tf_keras_layout(optimizer)
-    return wrap_optimizer(optimizer, loss_scale_for_model(model))
+    loss_scale = loss_scale_for_model(model)
+    from_policy = _policy_loss_scale(model) is not _UNSPECIFIED
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    if loss_scale is None or factor is None:
+        wrapped = wrap_optimizer(optimizer, loss_scale)
+        # A policy's loss scale is not saved with the policy: the file
+        # names the wrapper then, to come back with the same scale.
+        return wrapped, wrapped if from_policy else optimizer
+    if from_policy and loss_scale != FixedLossScale(factor):
+        warnings.warn(
+            f"The optimizer's loss_scale_factor={factor!r} is used as a "
+            f"fixed loss scale; the policy's loss_scale={loss_scale!r} is "
+            "not. Pass an optimizer without loss_scale_factor to use the "
+            "policy's.",
+            stacklevel=3,
+        )
+    recorded = _copy_optimizer(optimizer)
+    wrapped = wrap_optimizer(optimizer, FixedLossScale(factor))
+    return wrapped, recorded or wrapped
 
 
 def make_hooked_compile(original_compile):
@@ -100,8 +144,9 @@ def make_hooked_compile(original_compile):
     def compile(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
+        recorded = None
         if arguments.get("auto_scale_loss", True):
-            arguments["optimizer"] = choose_optimizer(
+            arguments["optimizer"], recorded = choose_optimizers(
                 self, arguments.get("optimizer", default_optimizer)
             )
         arguments["auto_scale_loss"] = False
@@ -115,9 +160,25 @@ def make_hooked_compile(original_compile):
         ):
             tf_replicas.warn_xla_unsupported(self)
             arguments["jit_compile"] = False
-        return original_compile(*bound.args, **bound.kwargs)
+        result = original_compile(*bound.args, **bound.kwargs)
+        if recorded is not None and recorded is not arguments["optimizer"]:
+            self._compile_config.config["optimizer"] = recorded
+        return result
 
     return compile
+
+
+def _policy_loss_scale(model):
+    return getattr(model.dtype_policy, "loss_scale", _UNSPECIFIED)
+
+
+def _copy_optimizer(optimizer):
+    """A new optimizer with `optimizer`'s config, or None if none can be
+    made (the compile config then names the wrapper)."""
+    try:
+        return type(optimizer).from_config(optimizer.get_config())
+    except Exception:
+        return None
 
 
 def _policies_in(model):

@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
@@ -120,6 +121,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             **kwargs,
         )
         optimizer_state.teach_tf_keras_layout(inner_optimizer)
+        # Saved beside this optimizer's own store, which keeps Keras' layout.
+        self.skipped_steps_record = optimizer_state.SavedCounter(
+            self._read_skipped_steps, self._write_skipped_steps
+        )
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -138,41 +143,83 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name="skipped_steps",
         )
         optimizer_state.apply_pending_values(self, self)
+        pending_skipped = getattr(self, "_pending_skipped_steps", None)
+        if pending_skipped is not None:
+            self._pending_skipped_steps = None
+            with optimizer_state.outside_tracing():
+                self.skipped_step_counter.assign(pending_skipped)
+
+    def save_own_variables(self, store):
+        """Saves the state in the layout of Keras' own `LossScaleOptimizer`.
+
+        That is every variable but the count of skipped steps, which goes
+        to the store of `skipped_steps_record`, so Keras alone can load it.
+        """
+        for i, variable in enumerate(self._keras_layout()):
+            store[str(i)] = variable.numpy()
 
     def load_own_variables(self, store):
-        """Loads this optimizer's state, also from a tf.keras 2 file.
+        """Loads this optimizer's state, from any layout it was saved in.
 
-        A tf.keras 2 file holds the inner optimizer's state only: it is
-        loaded, and the scale starts from `initial_scale`.
+        Accepted: the layout `save_own_variables` writes, which is that of
+        Keras' own `LossScaleOptimizer` (the skipped-step count, if saved,
+        comes from its own store); all variables, as earlier releases
+        saved them; a tf.keras 2 file's inner optimizer state, after which
+        the scale starts from `initial_scale`. An optimizer not built yet
+        keeps the values until it is.
         """
         values = optimizer_state.store_values(store)
-        if len(values) != len(self.variables) and self.built:
-            if optimizer_state.assign_optimizer_values(
-                self.inner_optimizer, values
-            ):
-                return
-        super().load_own_variables(store)
+        if not self.built and values:
+            self._keep_pending_values(values)
+        elif not (self.built and self._assign_saved(values)):
+            super().load_own_variables(store)
 
     def set_weights(self, weights):
-        """Sets all optimizer values, own and inner, or a tf.keras 2 set."""
+        """Sets the optimizer's values, in any layout `load_own_variables`
+        accepts."""
         weights = list(weights)
         if not self.built:
-            optimizer_state.keep_pending_values(
-                self, weights, self.inner_optimizer.iterations
-            )
-            return
-        if len(weights) == len(self.variables):
-            for variable, weight in zip(self.variables, weights, strict=True):
-                variable.assign(weight)
-            return
-        if not optimizer_state.assign_optimizer_values(
-            self.inner_optimizer, weights
-        ):
+            self._keep_pending_values(weights)
+        elif not self._assign_saved(weights):
             raise ValueError(
                 f"Cannot set {len(weights)} values on an optimizer with "
                 f"{len(self.variables)} variables (or its inner optimizer's "
                 f"{len(self.inner_optimizer.variables)})."
             )
+
+    def _keep_pending_values(self, values):
+        """Keeps values for the build; sets the inner step count now."""
+        optimizer_state.keep_pending_values(self, values, set_iterations=False)
+        step = _saved_inner_step(values)
+        if step is not None:
+            self.inner_optimizer.iterations.assign(step)
+
+    def _keras_layout(self):
+        """This optimizer's variables but the skipped-step count."""
+        skipped = getattr(self, "skipped_step_counter", None)
+        return [v for v in self.variables if v is not skipped]
+
+    def _assign_saved(self, values):
+        values = [np.asarray(v) for v in values]
+        for targets in (self.variables, self._keras_layout()):
+            if optimizer_state.fits(targets, values):
+                for variable, value in zip(targets, values, strict=True):
+                    variable.assign(value)
+                return True
+        return optimizer_state.assign_optimizer_values(
+            self.inner_optimizer, values
+        )
+
+    def _read_skipped_steps(self):
+        if not self.built:
+            return None
+        return self.skipped_step_counter.numpy()
+
+    def _write_skipped_steps(self, value):
+        if self.built:
+            self.skipped_step_counter.assign(value)
+        else:
+            self._pending_skipped_steps = value
 
     @property
     def loss_scale(self):
@@ -387,6 +434,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+def _saved_inner_step(values):
+    """Returns the inner optimizer's step count among saved values, or None.
+
+    Saved by a loss-scale optimizer, the values start with its own step
+    count and learning rate, its counter and scale, (for earlier releases)
+    its skipped-step count, then the inner optimizer's step count and
+    learning rate. A tf.keras 2 file holds the inner state alone: its step
+    count comes first, followed by slots.
+    """
+    values = [np.asarray(v) for v in values]
+
+    def scalar(i, kinds):
+        return (
+            i < len(values)
+            and values[i].shape == ()
+            and values[i].dtype.kind in kinds
+        )
+
+    if scalar(1, "f"):
+        at = 4 if scalar(5, "f") else 5
+    else:
+        at = 0
+    return values[at] if scalar(at, "iu") else None
 
 
 # The settings Keras' own LossScaleOptimizer lacks, with their defaults.

@@ -24,6 +24,7 @@ import types
 
 import keras
 import numpy as np
+from keras.src.saving.keras_saveable import KerasSaveable
 
 
 def assign_optimizer_values(optimizer, values):
@@ -45,11 +46,11 @@ def assign_optimizer_values(optimizer, values):
     """
     variables = list(optimizer.variables)
     values = [np.asarray(v) for v in values]
-    if _fits(variables, values):
+    if fits(variables, values):
         targets = variables
     else:
         layout = tf_keras_layout(optimizer)
-        if layout is None or not _fits(layout, values):
+        if layout is None or not fits(layout, values):
             return False
         targets = layout
     for target, value in zip(targets, values, strict=True):
@@ -158,7 +159,8 @@ def _derive_unsaved_state(optimizer):
     u_product.assign(np.asarray(value, dtype=u_product.dtype))
 
 
-def _fits(targets, values):
+def fits(targets, values):
+    """Returns True if `values` match `targets` in number and shapes."""
     return len(targets) == len(values) and all(
         tuple(t.shape) == v.shape for t, v in zip(targets, values, strict=True)
     )
@@ -217,8 +219,11 @@ def teach_tf_keras_layout(optimizer):
     files) and `set_weights` (used for .h5 files) accept the tf.keras 2
     layout besides their own. The .h5 loader's placeholder build is put off
     until the optimizer is built for real (see `defers_build`), and the
-    saved weights with it (the iteration count is set at once). Every other
-    input goes to the class' own methods, unchanged.
+    saved weights with it (the iteration count is set at once). State loaded
+    into an optimizer not built yet (`load_weights` or BackupAndRestore
+    before the first step, where Keras alone drops it with a warning) also
+    waits for the build. Every other input goes to the class' own methods,
+    unchanged.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer`.
@@ -236,7 +241,10 @@ def teach_tf_keras_layout(optimizer):
 
     def load_own_variables(self, store):
         values = store_values(store)
-        if not (self.built and assign_optimizer_values(self, values)):
+        if not self.built and values:
+            # `load_weights` before the first step: kept for the build.
+            keep_pending_values(self, values)
+        elif not (self.built and assign_optimizer_values(self, values)):
             optimizer_class.load_own_variables(self, store)
 
     def set_weights(self, weights):
@@ -250,21 +258,23 @@ def teach_tf_keras_layout(optimizer):
         setattr(optimizer, method.__name__, types.MethodType(method, optimizer))
 
 
-def keep_pending_values(optimizer, values, iterations=None):
-    """Keeps values for when the optimizer is built; sets iterations now.
+def keep_pending_values(optimizer, values, set_iterations=True):
+    """Keeps values for when the optimizer is built.
 
     Args:
         optimizer: The optimizer that will receive the values.
         values: The saved arrays.
-        iterations: The variable holding the step count; defaults to
-            `optimizer.iterations`.
+        set_iterations: Whether the first value, the saved step count of a
+            plain optimizer, is assigned to `optimizer.iterations` at once.
+            A loss-scale optimizer's first value is its own count, not its
+            inner optimizer's, so it passes False.
     """
     optimizer._pending_saved_values = [np.array(v) for v in values]
     first = np.asarray(values[0]) if values else None
-    if first is not None and first.shape == () and first.dtype.kind in "iu":
-        if iterations is None:
-            iterations = optimizer.iterations
-        iterations.assign(first)
+    if not set_iterations or first is None:
+        return
+    if first.shape == () and first.dtype.kind in "iu":
+        optimizer.iterations.assign(first)
 
 
 def apply_pending_values(holder, optimizer):
@@ -277,12 +287,13 @@ def apply_pending_values(holder, optimizer):
     pending = getattr(holder, "_pending_saved_values", None)
     if pending is not None:
         holder._pending_saved_values = None
-        with _outside_tracing():
+        with outside_tracing():
             optimizer.set_weights(pending)
 
 
 @contextlib.contextmanager
-def _outside_tracing():
+def outside_tracing():
+    """Runs assignments at once, even while TensorFlow traces a step."""
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -290,3 +301,35 @@ def _outside_tracing():
             yield
     else:
         yield
+
+
+class SavedCounter(KerasSaveable):
+    """A counter saved in a store of its own, beside its owner's.
+
+    A loss-scale optimizer's count of skipped steps, which Keras' own
+    `LossScaleOptimizer` does not have, is saved here (in the
+    `skipped_steps_record` store below the optimizer's), so the optimizer's
+    own store keeps exactly Keras' layout and Keras alone can read it.
+
+    Args:
+        read: A function returning the counter's value, or None when the
+            owner is not built (nothing is saved then).
+        write: A function taking the saved value.
+    """
+
+    def __init__(self, read, write):
+        self._read = read
+        self._write = write
+
+    def _obj_type(self):
+        return "Operation"
+
+    def save_own_variables(self, store):
+        value = self._read()
+        if value is not None:
+            store["0"] = np.asarray(value)
+
+    def load_own_variables(self, store):
+        # A file from Keras' own LossScaleOptimizer has no such store.
+        if "0" in store.keys():
+            self._write(np.asarray(store["0"]))
