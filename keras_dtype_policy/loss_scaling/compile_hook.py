@@ -57,6 +57,9 @@ def wrap_optimizer(optimizer, loss_scale):
             growth_factor=loss_scale.multiplier,
             backoff_factor=1.0 / loss_scale.multiplier,
             min_scale=min(1.0, loss_scale.initial_scale),
+            # A policy may start above the default ceiling (tf.keras had
+            # none): the ceiling rises to fit.
+            max_scale=max(2.0**24, loss_scale.initial_scale),
             name="loss_scale_optimizer",
         )
     return LossScaleOptimizer(
