@@ -9,6 +9,7 @@ from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
 
 # Returned by `loss_scale_for_model` when the policy does not say.
 _UNSPECIFIED = object()
@@ -49,6 +50,7 @@ def wrap_optimizer(optimizer, loss_scale):
     """
     if loss_scale is None:
         return optimizer
+    release_inner_optimizer(optimizer)
     if loss_scale.dynamic:
         return LossScaleOptimizer(
             optimizer,
