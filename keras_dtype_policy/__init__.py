@@ -119,7 +119,13 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
     from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
+    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
+        get_layer_policy,
+    )
     from keras_dtype_policy.tf_keras_compat.legacy_policy import global_policy
+    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
+        set_global_policy,
+    )
     from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
 
     install()
@@ -135,6 +141,7 @@ __all__ = [
     "SlowFloat16Warning",
     "dtype_policy",
     "experimental",
+    "get_layer_policy",
     "get_loss_scale",
     "global_policy",
     "install",
@@ -142,6 +149,7 @@ __all__ = [
     "model_from_json",
     "policy_scope",
     "set_dtype_policy",
+    "set_global_policy",
     "set_policy",
     "uninstall",
 ]

@@ -16,6 +16,7 @@ from keras.src.ops.operation import Operation
 from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
+from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
@@ -43,6 +44,12 @@ PATCHES = (
         "compile",
         compile_hook.make_hooked_compile,
         "Wrap the optimizer for any float16 or loss-scale-carrying policy.",
+    ),
+    Patch(
+        Trainer,
+        "_aggregate_additional_loss",
+        additional_losses.make_aggregate_additional_loss,
+        "Sum float16 and float32 regularization losses, as tf.keras did.",
     ),
     Patch(
         Operation,

@@ -25,6 +25,10 @@ EXPECTED_PARAMETERS = {
         "jit_compile",
         "auto_scale_loss",
     ],
+    "keras.src.trainers.trainer.Trainer._aggregate_additional_loss": [
+        "self",
+        "loss",
+    ],
     "keras.src.ops.operation.Operation.from_config": ["cls", "config"],
     "keras.src.dtype_policies.get": ["identifier"],
     "keras.src.dtype_policies.deserialize": ["config", "custom_objects"],
