@@ -521,11 +521,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __getattr__(self, name):
         # Only for names the wrapper itself lacks, such as `beta_1`.
         inner = self.__dict__.get("inner_optimizer")
+        missing = AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'"
+        )
         if name.startswith("_") or inner is None:
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute '{name}'"
-            )
-        return getattr(inner, name)
+            raise missing
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise missing from None
 
 
 # The settings Keras' own LossScaleOptimizer lacks, with their defaults.
