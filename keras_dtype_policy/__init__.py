@@ -124,7 +124,13 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
     from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
+    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
+        get_layer_policy,
+    )
     from keras_dtype_policy.tf_keras_compat.legacy_policy import global_policy
+    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
+        set_global_policy,
+    )
     from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
@@ -147,6 +153,7 @@ __all__ = [
     "dtype_policy",
     "experimental",
     "float16_rules",
+    "get_layer_policy",
     "get_loss_scale",
     "global_policy",
     "install",
@@ -156,6 +163,7 @@ __all__ = [
     "policy_scope",
     "precision_scope",
     "set_dtype_policy",
+    "set_global_policy",
     "set_policy",
     "uninstall",
 ]

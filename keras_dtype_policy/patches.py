@@ -17,6 +17,7 @@ from keras.src.ops.operation import Operation
 from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
+from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.policies import rules_application
@@ -45,6 +46,12 @@ PATCHES = (
         "compile",
         compile_hook.make_hooked_compile,
         "Wrap the optimizer for any float16 or loss-scale-carrying policy.",
+    ),
+    Patch(
+        Trainer,
+        "_aggregate_additional_loss",
+        additional_losses.make_aggregate_additional_loss,
+        "Sum float16 and float32 regularization losses, as tf.keras did.",
     ),
     Patch(
         Operation,

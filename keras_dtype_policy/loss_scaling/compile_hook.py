@@ -11,6 +11,7 @@ from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
 
 # Returned by `loss_scale_for_model` when the policy does not say.
 _UNSPECIFIED = object()
@@ -50,6 +51,7 @@ def wrap_optimizer(optimizer, loss_scale):
     """
     if loss_scale is None:
         return optimizer
+    release_inner_optimizer(optimizer)
     if loss_scale.dynamic:
         return LossScaleOptimizer(
             optimizer,
@@ -58,6 +60,9 @@ def wrap_optimizer(optimizer, loss_scale):
             growth_factor=loss_scale.multiplier,
             backoff_factor=1.0 / loss_scale.multiplier,
             min_scale=min(1.0, loss_scale.initial_scale),
+            # A policy may start above the default ceiling (tf.keras had
+            # none): the ceiling rises to fit.
+            max_scale=max(2.0**24, loss_scale.initial_scale),
             name="loss_scale_optimizer",
         )
     return LossScaleOptimizer(

@@ -1,11 +1,15 @@
 """Loss-scale values of the tf.keras API: fixed, dynamic, or none.
 
 A loss scale says how `Model.compile` scales the loss of a float16 model.
-These are small immutable values; the `LossScaleOptimizer` carries out what
-they describe.
+Its settings never change; the `LossScaleOptimizer` carries out what they
+describe. As TensorFlow's loss-scale objects did, each also holds a current
+scale of its own, read by calling it and moved by `update(grads)`, for code
+that drives one by hand.
 """
 
 import numbers
+
+from keras import ops
 
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
@@ -20,6 +24,31 @@ class LossScale:
     def initial_scale(self):
         """The scale the loss is multiplied by at the first step."""
         raise NotImplementedError
+
+    def __call__(self):
+        """Returns the current scale, a float32 scalar tensor."""
+        return ops.convert_to_tensor(self._current, dtype="float32")
+
+    def update(self, grads):
+        """Moves the current scale after one step's gradients.
+
+        Eager only: the gradients must hold concrete values.
+
+        Args:
+            grads: A list of gradients (None entries are ignored).
+
+        Returns:
+            A pair `(None, should_apply)`: `should_apply` is a boolean
+            tensor, True if every gradient is finite.
+        """
+        finite = all(
+            bool(ops.all(ops.isfinite(g))) for g in grads if g is not None
+        )
+        self._step(finite)
+        return None, ops.convert_to_tensor(finite)
+
+    def _step(self, finite):
+        pass
 
     def get_config(self):
         raise NotImplementedError
@@ -67,12 +96,27 @@ class FixedLossScale(LossScale):
     """
 
     def __init__(self, loss_scale_value):
+        if isinstance(loss_scale_value, bool) or not isinstance(
+            loss_scale_value, numbers.Real
+        ):
+            # TensorFlow's wording and error type.
+            raise ValueError(
+                "loss_scale_value must be a Python int or float. "
+                f"Received: loss_scale_value={loss_scale_value!r} "
+                f"(of type {type(loss_scale_value).__name__})"
+            )
         self._value = check_positive_number(
             "loss_scale_value", loss_scale_value
         )
+        self._current = self._value
 
     @property
     def initial_scale(self):
+        return self._value
+
+    @property
+    def initial_loss_scale(self):
+        """The scale, as tf.keras named it for every loss scale."""
         return self._value
 
     def get_config(self):
@@ -112,10 +156,31 @@ class DynamicLossScale(LossScale):
                 "`multiplier` must be greater than 1. "
                 f"Received: multiplier={multiplier!r}"
             )
+        self._current = self._initial
+        self._counter = 0
 
     @property
     def initial_scale(self):
         return self._initial
+
+    @property
+    def initial_loss_scale(self):
+        """The first scale, under tf.keras' name."""
+        return self._initial
+
+    def _step(self, finite):
+        # TensorFlow's rule: grow after `increment_period` finite steps
+        # (unless that overflows), shrink (not below 1) after a bad step.
+        if not finite:
+            self._current = max(self._current / self.multiplier, 1.0)
+            self._counter = 0
+            return
+        self._counter += 1
+        if self._counter >= self.increment_period:
+            grown = self._current * self.multiplier
+            if grown != float("inf"):
+                self._current = grown
+            self._counter = 0
 
     def get_config(self):
         return {

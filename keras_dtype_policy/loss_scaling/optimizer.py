@@ -1,6 +1,7 @@
 """`LossScaleOptimizer`: dynamic and fixed loss scaling on every backend."""
 
 import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -8,6 +9,7 @@ from keras import ops
 
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
 from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.backend_utils import is_concrete
 from keras_dtype_policy.policies.registration import register
@@ -47,9 +49,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic: Whether the scale adapts to the gradients. Defaults to
             `True`.
         initial_scale: The first scale, a finite number greater than zero.
-            Defaults to `2**15`.
+            Defaults to `2**15` for a dynamic scale; required with
+            `dynamic=False`, as in tf.keras 2.
         dynamic_growth_steps: How many finite steps in a row make the scale
-            grow, at least 1. Defaults to `2000`.
+            grow, at least 1. Defaults to `2000`; must be None with
+            `dynamic=False`, as in tf.keras 2.
         growth_factor: The factor the scale grows by, greater than 1.
             Defaults to `2.0`.
         backoff_factor: The factor the scale shrinks by after a non-finite
@@ -73,8 +77,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self,
         inner_optimizer,
         dynamic=True,
-        initial_scale=2.0**15,
-        dynamic_growth_steps=2000,
+        initial_scale=None,
+        dynamic_growth_steps=None,
         growth_factor=2.0,
         backoff_factor=0.5,
         min_scale=1.0,
@@ -84,11 +88,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     ):
         _check_inner_optimizer(inner_optimizer)
         if not isinstance(dynamic, bool):
+            # tf.keras' wording first.
             raise TypeError(
-                "`dynamic` must be True or False. "
+                '"dynamic" argument to LossScaleOptimizer.__init__ must be '
+                f"a bool, but got: {dynamic!r}. "
                 f"Received: dynamic={dynamic!r} "
                 f"(of type {type(dynamic).__name__})"
             )
+        initial_scale, dynamic_growth_steps = _scale_arguments(
+            dynamic, initial_scale, dynamic_growth_steps
+        )
         initial_scale = check_positive_number("initial_scale", initial_scale)
         dynamic_growth_steps = check_positive_int(
             "dynamic_growth_steps", dynamic_growth_steps
@@ -125,6 +134,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.skipped_steps_record = optimizer_state.SavedCounter(
             self._read_skipped_steps, self._write_skipped_steps
         )
+        inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
+        self._tf_keras_loop = {"scaled": False, "unscaled": False}
+        self._grads_come_unscaled = False
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -134,7 +146,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list):
         if optimizer_state.defers_build(var_list):
             return
-        super().build(var_list)
+        self._reading_own_settings = True
+        try:
+            super().build(var_list)
+        finally:
+            self._reading_own_settings = False
         self.skipped_step_counter = self.add_variable(
             shape=(),
             dtype="int",
@@ -223,18 +239,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def loss_scale(self):
-        """The current loss scale, as a Python float."""
+        """The current loss scale, a Python float that also has `.numpy()`.
+
+        As tf.keras' tensor did, it converts to a tensor with
+        `keras.ops.convert_to_tensor`.
+        """
         if not self.built:
-            return self.initial_scale
-        return float(self.dynamic_scale.numpy())
+            return _Reading(self.initial_scale)
+        return _Reading(float(self.dynamic_scale.numpy()))
 
     @property
     def dynamic_counter(self):
         """Finite steps since the scale last changed (or a step was
-        skipped), as a Python int."""
+        skipped), as a Python int; None for a fixed scale, as in tf.keras."""
+        if not self.dynamic:
+            return None
         if not self.built:
             return 0
         return int(self.step_counter.numpy())
+
+    @property
+    def dynamic_growth_steps(self):
+        """Finite steps in a row that make the scale grow; None for a fixed
+        scale, as in tf.keras."""
+        if not self.__dict__.get("dynamic", True):
+            return None
+        return self._growth_steps
+
+    @dynamic_growth_steps.setter
+    def dynamic_growth_steps(self, value):
+        self._growth_steps = value
 
     @property
     def skipped_steps(self):
@@ -249,6 +283,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"To call `stateless_apply`, {type(self).__name__} must be "
                 "built. Build it with `optimizer.build(trainable_variables)`."
             )
+        grads = self._rescaled(grads)
         own_count = len(self._variables)
         own_values = list(optimizer_variables[:own_count])
         inner_values = list(optimizer_variables[own_count:])
@@ -407,6 +442,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `initial_scale` and `dynamic_growth_steps`.
         """
         config = super().get_config()
+        config["dynamic_growth_steps"] = self._growth_steps
         for key, default in _EXTRA_DEFAULTS.items():
             value = getattr(self, key)
             if value != default:
@@ -426,14 +462,120 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             A `LossScaleOptimizer`.
         """
-        config = dict(config)
-        if config.get("dynamic_growth_steps", 0) is None:
-            # tf.keras 2 saves None here for a fixed scale.
-            del config["dynamic_growth_steps"]
+        config = tf_keras_configs.from_tf_2_3(config)
+        if not config.get("dynamic", True):
+            # tf.keras 2 saved None here for a fixed scale, Keras a number.
+            config.pop("dynamic_growth_steps", None)
         inner_optimizer = inner_optimizer_config.deserialize_optimizer(
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+    # tf.keras 2's custom-loop API. Keras' trainers scale the loss with
+    # `scale_loss` and leave the unscaling to `apply`. A tf.keras 2 loop
+    # unscales the gradients itself with `get_unscaled_gradients`; the next
+    # `apply` multiplies them back by the same scale (exact for a power of
+    # two) before its own finiteness check and unscaling.
+
+    def get_scaled_loss(self, loss):
+        """Returns the loss multiplied by the current scale.
+
+        Args:
+            loss: A loss tensor, or a callable with no arguments that
+                returns one; a callable gets a callable back.
+
+        Returns:
+            The scaled loss, in the loss' dtype, or a callable returning it.
+        """
+        self._tf_keras_loop["scaled"] = True
+        if callable(loss):
+
+            def scaled_loss():
+                return _multiply(loss(), self._current_scale())
+
+            return scaled_loss
+        return _multiply(loss, self._current_scale())
+
+    def get_unscaled_gradients(self, grads):
+        """Returns the gradients divided by the current scale.
+
+        The next `apply_gradients` (or `apply`, `stateless_apply`) expects
+        the unscaled gradients this returns.
+
+        Args:
+            grads: A list of gradients; None entries stay None, and
+                TensorFlow's `IndexedSlices` stay sparse.
+
+        Returns:
+            The list of unscaled gradients.
+        """
+        self._tf_keras_loop["unscaled"] = True
+        self._grads_come_unscaled = True
+        reciprocal = ops.divide(1.0, self._current_scale())
+        return [_multiply(g, reciprocal) for g in grads]
+
+    def scale_loss(self, loss):
+        self._tf_keras_loop["scaled"] = True
+        return super().scale_loss(loss)
+
+    def apply_gradients(self, grads_and_vars):
+        """Applies gradients, with tf.keras' warnings for a custom loop."""
+        _warn_about_scaling(**self._tf_keras_loop)
+        return super().apply_gradients(grads_and_vars)
+
+    def apply(self, grads, trainable_variables=None):
+        return super().apply(self._rescaled(grads), trainable_variables)
+
+    def _rescaled(self, grads):
+        """Undoes `get_unscaled_gradients` for the step that follows it."""
+        if not self._grads_come_unscaled:
+            return grads
+        self._grads_come_unscaled = False
+        scale = self._current_scale()
+        return [_multiply(g, scale) for g in grads]
+
+    def _current_scale(self):
+        return self.dynamic_scale if self.built else self.initial_scale
+
+    # tf.keras read the inner optimizer's hyperparameters through the
+    # wrapper: `opt.beta_1`, `opt.use_ema`.
+
+    @property
+    def use_ema(self):
+        """The inner optimizer's `use_ema`."""
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or self.__dict__.get("_reading_own_settings"):
+            return self.__dict__.get("_own_use_ema", False)
+        return inner.use_ema
+
+    @use_ema.setter
+    def use_ema(self, value):
+        self._own_use_ema = value
+
+    @property
+    def ema_momentum(self):
+        """The inner optimizer's `ema_momentum`."""
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or self.__dict__.get("_reading_own_settings"):
+            return self.__dict__.get("_own_ema_momentum", 0.99)
+        return inner.ema_momentum
+
+    @ema_momentum.setter
+    def ema_momentum(self, value):
+        self._own_ema_momentum = value
+
+    def __getattr__(self, name):
+        # Only for names the wrapper itself lacks, such as `beta_1`.
+        inner = self.__dict__.get("inner_optimizer")
+        missing = AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'"
+        )
+        if name.startswith("_") or inner is None:
+            raise missing
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise missing from None
 
 
 def _saved_inner_step(values):
@@ -474,12 +616,29 @@ _EXTRA_DEFAULTS = {
 }
 
 
+def release_inner_optimizer(optimizer):
+    """Lets `optimizer` be wrapped again, as `Model.compile` does.
+
+    tf.keras refused to wrap one optimizer twice; Keras' compile wraps a
+    model's optimizer anew at each `compile`, and so does this package's.
+    """
+    optimizer.__dict__.pop("_is_wrapped_by_loss_scale_optimizer", None)
+
+
 def _check_inner_optimizer(inner_optimizer):
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "`inner_optimizer` is already a loss-scale optimizer; wrap its "
-            "own inner optimizer instead. "
+        # tf.keras' error type and wording first.
+        raise TypeError(
+            "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but "
+            f"got: {inner_optimizer!r}. `inner_optimizer` is already a "
+            "loss-scale optimizer; wrap its own inner optimizer instead. "
             f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
+        raise ValueError(
+            '"inner_optimizer" is already wrapped by a LossScaleOptimizer. '
+            "An optimizer can only be wrapped by a single "
+            f"LossScaleOptimizer. Received: inner_optimizer={inner_optimizer!r}"
         )
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
         raise TypeError(
@@ -487,3 +646,81 @@ def _check_inner_optimizer(inner_optimizer):
             f"instance. Received: inner_optimizer={inner_optimizer!r} "
             f"(of type {type(inner_optimizer).__name__})"
         )
+
+
+def _scale_arguments(dynamic, initial_scale, dynamic_growth_steps):
+    """Returns `(initial_scale, dynamic_growth_steps)` by tf.keras' rules."""
+    if dynamic:
+        if initial_scale is None:
+            initial_scale = 2.0**15
+        if dynamic_growth_steps is None:
+            dynamic_growth_steps = 2000
+        return initial_scale, dynamic_growth_steps
+    if initial_scale is None:
+        raise ValueError(
+            '"initial_scale" must be specified if "dynamic" is False. '
+            "Received: initial_scale=None"
+        )
+    if dynamic_growth_steps is not None:
+        raise ValueError(
+            '"dynamic_growth_steps" must be None if "dynamic" is False, but '
+            f"got: {dynamic_growth_steps}. "
+            f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
+        )
+    # Keras' base class keeps a number; a fixed scale never reads it.
+    return initial_scale, 2000
+
+
+class _Reading(float):
+    """A Python float that also answers `.numpy()`, as a tensor would."""
+
+    def numpy(self):
+        return np.float32(self)
+
+
+def _multiply(value, factor):
+    """`value * factor` in the value's dtype; sparse values stay sparse."""
+    if value is None:
+        return None
+    if type(value).__name__ == "IndexedSlices":
+        import tensorflow as tf
+
+        return tf.IndexedSlices(
+            _multiply(value.values, factor), value.indices, value.dense_shape
+        )
+    value = ops.convert_to_tensor(value)
+    return ops.multiply(value, ops.cast(factor, value.dtype))
+
+
+def _warn_about_scaling(scaled, unscaled):
+    """tf.keras' warnings for a custom loop that forgot a step.
+
+    Gradients of a scaled loss that were not unscaled by hand are fine
+    here (`apply` unscales them), so only an unscaled loss warns.
+    """
+    if scaled:
+        return
+    example = (
+        "\n    with tf.GradientTape() as tape:\n      loss = loss_fn()\n"
+        "      scaled_loss = opt.get_scaled_loss(loss)\n"
+        "    scaled_grads = tape.gradient(scaled_loss, vars)\n"
+        "    grads = opt.get_unscaled_gradients(scaled_grads)\n"
+        "    opt.apply_gradients([(grads, var)])"
+    )
+    if unscaled:
+        start = (
+            "You forgot to call LossScaleOptimizer.get_scaled_loss() before "
+            "calling LossScaleOptimizer.apply_gradients() (you did call "
+            "get_unscaled_gradients() however). This will likely result in "
+            "worse model quality, so please call get_scaled_loss() in the "
+            "correct place!"
+        )
+    else:
+        start = (
+            "You forgot to call LossScaleOptimizer.get_scaled_loss() and "
+            "LossScaleOptimizer.get_unscaled_gradients() before calling "
+            "LossScaleOptimizer.apply_gradients(). This will likely result "
+            "in worse model quality, so please call them in the correct "
+            "places!"
+        )
+    warnings.warn(f"{start} For example:{example}", UserWarning, stacklevel=3)

@@ -3,10 +3,14 @@
 import contextlib
 
 import keras
+from keras.src import dtype_policies
 from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.policy import DTypePolicy
+
+# tf.keras' infer policies, which the package's `dtype_policies.get` knows.
+_INFER_NAMES = ("infer", "_infer", "infer_with_float32_vars")
 
 
 def as_policy(policy, argument_name="policy"):
@@ -21,7 +25,9 @@ def as_policy(policy, argument_name="policy"):
         A `keras.DTypePolicy` instance. Float policy names give a
         `keras_dtype_policy.DTypePolicy`; quantized names, such as
         `"int8_from_float32"`, give Keras' own quantized policy, as
-        `keras.config.set_dtype_policy` does.
+        `keras.config.set_dtype_policy` does; tf.keras' infer names
+        (`"_infer"`, `"infer"`, `"infer_with_float32_vars"`) give its
+        infer `Policy`, as `set_policy` does.
 
     Raises:
         ValueError: for anything else, as Keras raises.
@@ -31,6 +37,9 @@ def as_policy(policy, argument_name="policy"):
     if isinstance(policy, str):
         if policy.startswith(QUANTIZATION_MODES):
             return keras.dtype_policies.get(policy)
+        if policy in _INFER_NAMES:
+            # Keras' internal `get`, where the package's patch reads them.
+            return dtype_policies.get(policy)
         return DTypePolicy(policy)
     # Keras' own wording and error type first.
     raise ValueError(

@@ -37,7 +37,11 @@ _MODEL_CLASSES = {
     "Sequential": ("keras", None),
     "Model": ("keras.src.models.functional", "Functional"),
 }
-_LOSS_SCALE_OPTIMIZERS = ("LossScaleOptimizerV3", "LossScaleOptimizer")
+_LOSS_SCALE_OPTIMIZERS = (
+    "LossScaleOptimizerV3",
+    "LossScaleOptimizerV1",
+    "LossScaleOptimizer",
+)
 _BACKEND_OPTIMIZER_MODULE = re.compile(
     r"keras\.src\.backend\.(jax|numpy|openvino|tensorflow|torch)\.optimizers\."
 )
@@ -98,11 +102,9 @@ def translate_optimizer_config(config):
     config = copy.deepcopy(config)
     if _is_tf_keras_loss_scale_optimizer(config):
         inner = dict(config.get("config") or {})
-        inner_optimizer = inner.get("inner_optimizer")
-        if isinstance(inner_optimizer, dict):
-            inner["inner_optimizer"] = translate_optimizer_config(
-                inner_optimizer
-            )
+        for key in ("inner_optimizer", "optimizer"):  # "optimizer": TF 2.3
+            if isinstance(inner.get(key), dict):
+                inner[key] = translate_optimizer_config(inner[key])
         return {
             "module": "keras_dtype_policy.loss_scaling.optimizer",
             "class_name": "LossScaleOptimizer",
@@ -161,7 +163,7 @@ def _is_tf_keras_loss_scale_optimizer(config):
     registered = config.get("registered_name")
     if registered == registered_name_of_ours():
         return False
-    if registered == "LossScaleOptimizerV3":
+    if registered in ("LossScaleOptimizerV3", "LossScaleOptimizerV1"):
         return True
     return module is None or (
         isinstance(module, str) and module.startswith(_TF_KERAS_MODULE_PREFIXES)

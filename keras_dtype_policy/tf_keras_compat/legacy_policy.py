@@ -81,8 +81,21 @@ class Policy(DTypePolicy):
         self._name = name
         self._compute_dtype, self._variable_dtype = self._parse_name(name)
         self._quantization_mode = None
-        if isinstance(loss_scale, str) and loss_scale == _AUTO:
+        self._using_default_loss_scale = (
+            isinstance(loss_scale, str) and loss_scale == _AUTO
+        )
+        if self._using_default_loss_scale:
             loss_scale = "dynamic" if name == "mixed_float16" else None
+        elif loss_scale and self._compute_dtype not in (None, "float16"):
+            # tf.keras' warning, word for word.
+            warnings.warn(
+                "Creating a Policy with a loss scale is only useful for "
+                f"float16 policies. You passed loss_scale={loss_scale!r} for "
+                f"policy {name}. Consider not passing any loss_scale "
+                "instead.",
+                UserWarning,
+                stacklevel=3,
+            )
         self._loss_scale = get_loss_scale(loss_scale)
 
     def _parse_name(self, name):
@@ -131,10 +144,15 @@ class Policy(DTypePolicy):
         self._variable_dtype = variable_dtype
 
     def get_config(self):
-        return {
-            "name": self.name,
-            "loss_scale": serialize_loss_scale(self.loss_scale),
-        }
+        """Returns the name, and the loss scale unless it is the default.
+
+        As in tf.keras, a policy built without a `loss_scale` argument
+        writes no `loss_scale` key.
+        """
+        config = {"name": self.name}
+        if not self._using_default_loss_scale:
+            config["loss_scale"] = serialize_loss_scale(self.loss_scale)
+        return config
 
     @classmethod
     def from_config(cls, config):
@@ -196,10 +214,45 @@ def set_policy(policy):
             "`policy` must be a policy name, a DTypePolicy or None. "
             f"Received: policy={policy!r} (of type {type(policy).__name__})"
         )
+    compute_dtype = policy.compute_dtype
+    if compute_dtype is not None and not keras.backend.is_float_dtype(
+        compute_dtype
+    ):
+        # tf.keras' wording.
+        raise ValueError(
+            "set_global_policy can only be used to set the global policy to "
+            'floating-point policies, such as "float32" and '
+            f'"mixed_float16", but got policy: {policy.name}'
+        )
     hardware.warn_if_float16_is_slow(policy)
     keras.config.set_dtype_policy(policy)
+
+
+# tf.keras 2.4+ named it so outside the experimental namespace.
+set_global_policy = set_policy
 
 
 def global_policy():
     """Returns the global policy of this thread, as tf.keras' did."""
     return keras.config.dtype_policy()
+
+
+def get_layer_policy(layer):
+    """Returns the dtype policy of a layer, as tf.keras' did.
+
+    Args:
+        layer: A `keras.layers.Layer`.
+
+    Returns:
+        The layer's `dtype_policy`.
+
+    Raises:
+        ValueError: if `layer` is not a layer (tf.keras' error type).
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise ValueError(
+            "get_policy can only be called on a layer, but got: "
+            f"{layer!r}. Received: layer={layer!r} "
+            f"(of type {type(layer).__name__})"
+        )
+    return layer.dtype_policy

@@ -95,7 +95,8 @@ def new_model(policy, mode):
             keras.optimizers.Adam(1e-2),
             dynamic=mode == "dynamic",
             initial_scale=INITIAL_SCALE,
-            dynamic_growth_steps=GROWTH_STEPS,
+            # tf.keras' rule: a fixed scale takes no growth steps.
+            dynamic_growth_steps=GROWTH_STEPS if mode == "dynamic" else None,
         ),
         "mse",
     )
@@ -160,7 +161,10 @@ def scalars(model):
         "optimizer_type": f"{type(optimizer).__module__}."
         f"{type(optimizer).__qualname__}",
         "loss_scale": optimizer.loss_scale,
-        "dynamic_counter": optimizer.dynamic_counter,
+        # The variable: a fixed scale's dynamic_counter is None.
+        "dynamic_counter": int(
+            keras.ops.convert_to_numpy(optimizer.step_counter)
+        ),
         "skipped_steps": optimizer.skipped_steps,
         "dynamic": optimizer.dynamic,
         "iterations": int(np.asarray(optimizer.iterations.value)),

@@ -113,7 +113,9 @@ def test_auto_scale_loss_false_wraps_nothing():
     "make_optimizer",
     [
         lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
-        lambda: LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False),
+        lambda: LossScaleOptimizer(
+            keras.optimizers.SGD(), dynamic=False, initial_scale=8.0
+        ),
     ],
     ids=["keras", "plugin"],
 )

@@ -45,7 +45,8 @@ class StepRecorder(keras.callbacks.Callback):
         self.states.append(
             (
                 optimizer.loss_scale,
-                optimizer.dynamic_counter,
+                # The variable: a fixed scale's dynamic_counter is None.
+                int(to_numpy(optimizer.step_counter)),
                 optimizer.skipped_steps,
             )
         )
@@ -83,8 +84,11 @@ def test_fit_follows_the_rule_under_injected_faults(
 ):
     schedule = SCHEDULES[schedule_name]
     model = make_model(policy)
+    rule = dict(RULE)
+    if not dynamic:  # tf.keras' rule: a fixed scale takes no growth steps.
+        rule["dynamic_growth_steps"] = None
     optimizer = kdp.LossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), dynamic=dynamic, **RULE
+        keras.optimizers.Adam(1e-2), dynamic=dynamic, **rule
     )
     model.compile(optimizer, "mse")
     recorder = StepRecorder()

@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import numpy as np
 import pytest
 from keras.src.layers.layer import Layer
 from keras.src.ops.operation import Operation
@@ -10,6 +11,8 @@ from keras.src.trainers.trainer import Trainer
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import patches
+
+BACKEND = keras.backend.backend()
 
 # What each patched Keras attribute must still accept; a Keras release that
 # moves or reshapes one fails here, naming it.
@@ -25,6 +28,10 @@ EXPECTED_PARAMETERS = {
         "steps_per_execution",
         "jit_compile",
         "auto_scale_loss",
+    ],
+    "keras.src.trainers.trainer.Trainer._aggregate_additional_loss": [
+        "self",
+        "loss",
     ],
     "keras.src.ops.operation.Operation.from_config": ["cls", "config"],
     "keras.src.dtype_policies.get": ["identifier"],
@@ -169,3 +176,39 @@ def test_install_refuses_a_moved_target(monkeypatch):
         kdp.uninstall()
         kdp.install()
     assert set(patches.installed_patches()) == TARGETS
+
+
+def regularized_mixed_model():
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(
+                4,
+                activity_regularizer="l2",
+                kernel_regularizer="l2",
+                dtype="mixed_float16",
+            ),
+            keras.layers.Dense(1, dtype="mixed_float16"),
+        ]
+    )
+    model.compile("sgd", "mse", auto_scale_loss=False)
+    return model
+
+
+def test_regularization_losses_are_summed_in_float32():
+    # tensorflow: Keras alone refuses to sum a float16 activity loss with a
+    # float32 weight loss; jax and torch promote the dtypes themselves.
+    x, y = np.ones((8, 3)), np.ones((8, 1))
+    model = regularized_mixed_model()
+    history = model.fit(x, y, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    kdp.uninstall()
+    try:
+        model = regularized_mixed_model()
+        if BACKEND == "tensorflow":
+            with pytest.raises(TypeError, match="float16"):
+                model.fit(x, y, verbose=0)
+        else:
+            model.fit(x, y, verbose=0)
+    finally:
+        kdp.install()

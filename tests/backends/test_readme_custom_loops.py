@@ -4,12 +4,15 @@ The loops are in docs/loss-scaling.md, each after a
 `<!-- custom-loop: BACKEND -->` marker; tests/backends/test_docs.py leaves
 them to this file.
 
-TensorFlow and PyTorch loops update the Keras variables as they go; the JAX
-loop is pure and carries its state, which is written back to the variables
-after each step here.
+Each backend has two loops: Keras 3's (`scale_loss`, `apply`) and tf.keras
+2's (`get_scaled_loss`, `get_unscaled_gradients`, `apply_gradients`, tagged
+`tf-keras-BACKEND`). All update the Keras variables as they go, except
+Keras 3's JAX loop, which is pure and carries its state: it is written back
+to the variables after each step here.
 """
 
 import numpy as np
+import pytest
 from testing import BACKEND
 from testing import FINITE
 from testing import INF
@@ -22,7 +25,7 @@ from testing import to_numpy
 
 def make_step(namespace):
     """Returns `step(x, y)` for the docs loop, keeping variables current."""
-    if BACKEND != "jax":
+    if "state" not in namespace:
         return namespace["train_step"]
     optimizer, model = namespace["optimizer"], namespace["model"]
 
@@ -43,13 +46,20 @@ def make_step(namespace):
     return step
 
 
-def test_readme_custom_loop_trains():
-    namespace, printed = run_readme_example(BACKEND)
+LOOPS = pytest.mark.parametrize(
+    "tag", [BACKEND, f"tf-keras-{BACKEND}"], ids=["keras", "tf_keras"]
+)
+
+
+@LOOPS
+def test_readme_custom_loop_trains(tag):
+    namespace, printed = run_readme_example(tag)
     check_custom_loop_result(namespace, printed)
 
 
-def test_readme_custom_loop_follows_the_rule_under_faults():
-    namespace, _ = run_readme_example(BACKEND)
+@LOOPS
+def test_readme_custom_loop_follows_the_rule_under_faults(tag):
+    namespace, _ = run_readme_example(tag)
     model, optimizer = namespace["model"], namespace["optimizer"]
     step = make_step(namespace)
     x, y = namespace["x"][:16], namespace["y"][:16]

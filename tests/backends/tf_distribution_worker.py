@@ -89,7 +89,8 @@ def make_optimizer(mode, keras_own=False):
         inner,
         dynamic=mode == "dynamic",
         initial_scale=64.0,
-        dynamic_growth_steps=3,
+        # tf.keras' rule: a fixed scale takes no growth steps.
+        dynamic_growth_steps=3 if mode == "dynamic" else None,
     )
 
 

@@ -94,7 +94,8 @@ def new_model(policy, scaling):
         keras.optimizers.SGD(0.05, momentum=0.9),
         dynamic=scaling == "dynamic",
         initial_scale=INITIAL_SCALE,
-        dynamic_growth_steps=GROWTH_STEPS,
+        # tf.keras' rule: a fixed scale takes no growth steps.
+        dynamic_growth_steps=GROWTH_STEPS if scaling == "dynamic" else None,
     )
     optimizer.build(model.trainable_variables)
     kdp.set_dtype_policy("float32")
@@ -115,7 +116,8 @@ def scale_state(optimizer):
     """(loss_scale, dynamic_counter, skipped_steps), as Python numbers."""
     return (
         optimizer.loss_scale,
-        optimizer.dynamic_counter,
+        # The variable: a fixed scale's dynamic_counter is None.
+        int(keras.ops.convert_to_numpy(optimizer.step_counter)),
         optimizer.skipped_steps,
     )
 
@@ -130,7 +132,9 @@ def summary(model):
         + type(optimizer).__qualname__,
         "dynamic": optimizer.dynamic,
         "loss_scale": optimizer.loss_scale,
-        "dynamic_counter": optimizer.dynamic_counter,
+        "dynamic_counter": int(
+            keras.ops.convert_to_numpy(optimizer.step_counter)
+        ),
         "skipped_steps": optimizer.skipped_steps,
         "iterations": int(keras.ops.convert_to_numpy(optimizer.iterations)),
     }

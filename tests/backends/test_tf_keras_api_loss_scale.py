@@ -1,0 +1,341 @@
+"""tf.keras 2's loss-scale API, as tf-keras' and TensorFlow's tests pin it.
+
+The loss-scale objects (TensorFlow's loss_scale tests) and the
+`LossScaleOptimizer` (tf-keras' loss_scale_optimizer tests), on every
+backend. Sparse gradients exist on TensorFlow only (`IndexedSlices`); JAX
+and PyTorch autodiff give Keras dense gradients.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from testing import BACKEND
+from testing import to_numpy
+
+import keras_dtype_policy as kdp
+from keras_dtype_policy import experimental
+
+NOT_SCALED = (
+    "You forgot to call LossScaleOptimizer.get_scaled_loss() and "
+    "LossScaleOptimizer.get_unscaled_gradients() before calling "
+    "LossScaleOptimizer.apply_gradients()"
+)
+
+
+def one_variable(value=1.0):
+    return keras.Variable(np.float32(value), name="w")
+
+
+def number(x):
+    return float(to_numpy(x))
+
+
+# TensorFlow's loss-scale objects.
+
+
+def test_fixed_loss_scale_object():
+    scale = kdp.FixedLossScale(123)
+    assert number(scale()) == 123.0
+    assert scale.initial_loss_scale == 123.0
+    _, apply = scale.update([np.float32(np.nan)])
+    assert not bool(to_numpy(apply))
+    assert number(scale()) == 123.0
+    _, apply = scale.update([np.float32(1.0), None])
+    assert bool(to_numpy(apply))
+    with pytest.raises(ValueError, match="must be a Python int or float"):
+        kdp.FixedLossScale("123")
+
+
+def test_dynamic_loss_scale_object_follows_tensorflows_rule():
+    scale = kdp.DynamicLossScale(
+        initial_loss_scale=4, increment_period=2, multiplier=2
+    )
+    assert scale.initial_loss_scale == 4.0
+    values = []
+    for grad in [1.0, 1.0, np.nan, 1.0, np.inf, np.nan, np.nan, 1.0, 1.0]:
+        _, apply = scale.update([np.float32(grad)])
+        assert bool(to_numpy(apply)) == bool(np.isfinite(grad))
+        values.append(number(scale()))
+    # Grows after two finite steps, halves on a bad one, never below 1.
+    assert values == [4.0, 8.0, 4.0, 4.0, 2.0, 1.0, 1.0, 1.0, 2.0]
+    assert kdp.DynamicLossScale().get_config() == {
+        "initial_loss_scale": 32768.0,
+        "increment_period": 2000,
+        "multiplier": 2.0,
+    }
+
+
+# The optimizer.
+
+
+def test_get_scaled_loss_tensor_and_callable():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=10
+    )
+    assert number(optimizer.get_scaled_loss(np.float32(5.0))) == 50.0
+    scaled = optimizer.get_scaled_loss(lambda: keras.ops.convert_to_tensor(5.0))
+    assert callable(scaled)
+    assert number(scaled()) == 50.0
+    half = optimizer.get_scaled_loss(keras.ops.ones((), dtype="float16"))
+    assert keras.backend.standardize_dtype(half.dtype) == "float16"
+
+
+def test_get_unscaled_gradients_keeps_none():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=10
+    )
+    grads = optimizer.get_unscaled_gradients(
+        [np.float32(10.0), None, np.float32(20.0)]
+    )
+    assert grads[1] is None
+    assert [number(grads[0]), number(grads[2])] == [1.0, 2.0]
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="IndexedSlices, TensorFlow's sparse gradients, are TF only",
+)
+def test_get_unscaled_gradients_keeps_indexed_slices_sparse():
+    import tensorflow as tf
+
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=4
+    )
+    sparse = tf.IndexedSlices(
+        tf.fill((2, 3), 8.0), tf.constant([0, 2]), tf.constant([4, 3])
+    )
+    (unscaled,) = optimizer.get_unscaled_gradients([sparse])
+    assert isinstance(unscaled, tf.IndexedSlices)
+    np.testing.assert_array_equal(unscaled.values.numpy(), np.full((2, 3), 2))
+    np.testing.assert_array_equal(unscaled.indices.numpy(), [0, 2])
+
+
+def test_hand_unscaled_gradients_step_like_the_inner_optimizer():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(2.0), dynamic=True, initial_scale=8
+    )
+    var = one_variable()
+    for _ in range(2):
+        scaled_grad = optimizer.get_scaled_loss(np.float32(0.5))
+        grads = optimizer.get_unscaled_gradients([scaled_grad])
+        assert number(grads[0]) == 0.5
+        optimizer.apply_gradients([(grads[0], var)])
+    # 1 - 2 * 0.5, twice: unscaled once, not twice.
+    assert number(var) == -1.0
+    assert int(to_numpy(optimizer.iterations)) == 2
+
+
+@pytest.mark.filterwarnings("ignore:You forgot to call")
+def test_dynamic_scale_grows_and_backs_off():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=2, dynamic_growth_steps=1
+    )
+    var = one_variable()
+    optimizer.apply_gradients([(np.float32(2.0), var)])
+    assert optimizer.loss_scale == 4.0
+    assert number(var) == 0.0
+    optimizer.apply_gradients([(np.float32(np.nan), var)])
+    assert optimizer.loss_scale == 2.0
+    assert number(var) == 0.0
+
+
+def test_fixed_scale_readings():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=12
+    )
+    assert optimizer.dynamic is False
+    assert optimizer.dynamic_counter is None
+    assert optimizer.dynamic_growth_steps is None
+    assert optimizer.initial_scale == 12.0
+    dynamic = kdp.LossScaleOptimizer(keras.optimizers.SGD())
+    assert (dynamic.dynamic_counter, dynamic.dynamic_growth_steps) == (0, 2000)
+    assert dynamic.initial_scale == 2.0**15
+
+
+def test_loss_scale_reads_as_a_tensor():
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=2)
+    for _ in range(2):  # before and after build
+        scale = keras.ops.convert_to_tensor(optimizer.loss_scale)
+        assert keras.backend.standardize_dtype(scale.dtype) == "float32"
+        assert number(scale) == 2.0
+        assert optimizer.loss_scale.numpy() == np.float32(2.0)
+        optimizer.build([one_variable()])
+
+
+def test_hyperparameters_read_through_the_wrapper():
+    inner = keras.optimizers.Adam(
+        learning_rate=0.5, beta_1=0.25, beta_2=0.75, use_ema=True
+    )
+    optimizer = kdp.LossScaleOptimizer(inner)
+    assert (optimizer.beta_1, optimizer.beta_2) == (0.25, 0.75)
+    assert optimizer.use_ema is True
+    assert optimizer.ema_momentum == inner.ema_momentum
+    assert number(optimizer.learning_rate) == 0.5
+    optimizer.learning_rate = 0.125
+    assert number(inner.learning_rate) == 0.125
+    with pytest.raises(AttributeError, match="'LossScaleOptimizer' object"):
+        optimizer.nonexistent_attribute  # noqa: B018
+    # The moving averages are the inner optimizer's, not the wrapper's too.
+    plain = kdp.LossScaleOptimizer(keras.optimizers.Adam())
+    optimizer.build([one_variable()])
+    plain.build([one_variable()])
+    assert len(optimizer._variables) == len(plain._variables)
+
+
+def test_wrapping_errors_in_tf_keras_words():
+    with pytest.raises(TypeError, match="cannot wrap another"):
+        kdp.LossScaleOptimizer(kdp.LossScaleOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(TypeError, match="must be a keras.optimizers"):
+        kdp.LossScaleOptimizer(1)
+    inner = keras.optimizers.SGD()
+    kdp.LossScaleOptimizer(inner)
+    with pytest.raises(
+        ValueError,
+        match='"inner_optimizer" is already wrapped by a LossScaleOptimizer',
+    ):
+        kdp.LossScaleOptimizer(inner)
+
+
+def test_argument_errors_in_tf_keras_words():
+    with pytest.raises(TypeError, match='"dynamic" argument to Loss'):
+        kdp.LossScaleOptimizer(keras.optimizers.SGD(), dynamic="dynamic")
+    with pytest.raises(ValueError, match='"initial_scale" must be specified'):
+        kdp.LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False)
+    with pytest.raises(
+        ValueError,
+        match='"dynamic_growth_steps" must be None if "dynamic" is False, '
+        "but got: 2",
+    ):
+        kdp.LossScaleOptimizer(
+            keras.optimizers.SGD(),
+            dynamic=False,
+            initial_scale=1,
+            dynamic_growth_steps=2,
+        )
+
+
+def test_apply_gradients_warns_when_the_loss_was_not_scaled():
+    var = one_variable()
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.warns(UserWarning, match="get_scaled_loss\\(\\) and"):
+        optimizer.apply_gradients([(np.float32(1.0), var)])
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.get_unscaled_gradients([np.float32(1.0)])
+    with pytest.warns(UserWarning, match="you did call get_unscaled_grad"):
+        optimizer.apply_gradients([(np.float32(1.0), var)])
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.get_scaled_loss(np.float32(1.0))
+    grads = optimizer.get_unscaled_gradients([np.float32(1.0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.apply_gradients([(grads[0], var)])
+
+
+def test_fit_never_warns_about_scaling():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(kdp.LossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    assert not [w for w in caught if "You forgot" in str(w.message)]
+
+
+def test_config_round_trips_through_keras_serialization():
+    for optimizer in (
+        kdp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8),
+        kdp.LossScaleOptimizer(
+            keras.optimizers.SGD(), dynamic=False, initial_scale=12
+        ),
+    ):
+        revived = keras.optimizers.deserialize(
+            keras.optimizers.serialize(optimizer)
+        )
+        assert type(revived) is type(optimizer)
+        assert (
+            revived.dynamic,
+            revived.initial_scale,
+            revived.dynamic_growth_steps,
+        ) == (
+            optimizer.dynamic,
+            optimizer.initial_scale,
+            optimizer.dynamic_growth_steps,
+        )
+
+
+# TensorFlow 2.3: LossScaleOptimizer(optimizer, loss_scale).
+
+
+@pytest.mark.parametrize(
+    "loss_scale, expected",
+    [
+        ("dynamic", (True, 32768.0, 2000)),
+        (5, (False, 5.0, None)),
+        (kdp.FixedLossScale(3), (False, 3.0, None)),
+        (kdp.DynamicLossScale(4, 2), (True, 4.0, 2)),
+    ],
+)
+def test_tf_2_3_signature(loss_scale, expected):
+    optimizer = experimental.LossScaleOptimizer(
+        keras.optimizers.SGD(), loss_scale
+    )
+    assert isinstance(optimizer, kdp.LossScaleOptimizer)
+    assert (
+        optimizer.dynamic,
+        optimizer.initial_scale,
+        optimizer.dynamic_growth_steps,
+    ) == expected
+    revived = keras.optimizers.deserialize(
+        keras.optimizers.serialize(optimizer)
+    )
+    assert revived.get_config() == optimizer.get_config()
+
+
+def test_tf_2_3_signature_needs_a_loss_scale():
+    with pytest.raises(ValueError, match="loss_scale=None"):
+        experimental.LossScaleOptimizer(keras.optimizers.SGD(), None)
+
+
+TF_2_3_CONFIG = {
+    "optimizer": {
+        "class_name": "SGD",
+        "config": {"name": "SGD", "learning_rate": 0.5, "momentum": 0.0},
+    },
+    "loss_scale": {
+        "class_name": "DynamicLossScale",
+        "config": {
+            "initial_loss_scale": 64.0,
+            "increment_period": 10,
+            "multiplier": 2.0,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda config: kdp.LossScaleOptimizer.from_config(config),
+        lambda config: keras.optimizers.deserialize(
+            {"class_name": "LossScaleOptimizerV1", "config": config}
+        ),
+    ],
+    ids=["from_config", "keras_deserialize"],
+)
+def test_reads_tf_2_3_configs(read):
+    optimizer = read(TF_2_3_CONFIG)
+    assert isinstance(optimizer, kdp.LossScaleOptimizer)
+    assert (optimizer.dynamic, optimizer.initial_scale) == (True, 64.0)
+    assert optimizer.dynamic_growth_steps == 10
+    assert number(optimizer.learning_rate) == 0.5
+    fixed = read(
+        {
+            **TF_2_3_CONFIG,
+            "loss_scale": {
+                "class_name": "FixedLossScale",
+                "config": {"loss_scale_value": 2.0},
+            },
+        }
+    )
+    assert (fixed.dynamic, fixed.loss_scale) == (False, 2.0)
