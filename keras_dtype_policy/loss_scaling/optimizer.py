@@ -253,7 +253,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return gradient_check.all_finite(grads)
 
     def _common_apply(self, grads, trainable_variables=None, finite=None):
-        if finite is None and keras.backend.backend() == "torch":
+        if (
+            finite is None
+            and keras.backend.backend() == "torch"
+            and not self._scale_is_one()
+        ):
             # One fused kernel checks and unscales (in place) every gradient.
             variables = trainable_variables or self._trainable_variables
             finite, unscaled = gradient_check.check_and_unscale(
@@ -332,7 +336,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             count()
 
     def _unscale(self, grads, scale, variables):
+        if self._scale_is_one():
+            return list(grads)
         return gradient_check.unscale(grads, scale, self._kept(variables))
+
+    def _scale_is_one(self):
+        # A fixed scale of 1 (a wrapper on a step that needs no scaling):
+        # nothing to divide.
+        return not self.dynamic and self.initial_scale == 1.0
 
     def _kept(self, variables):
         # The gradients Keras never unscales: those that overwrite their

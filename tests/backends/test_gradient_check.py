@@ -218,3 +218,23 @@ def test_optimizer_steps_over_many_tensors_of_mixed_dtypes(bad):
         else:
             np.testing.assert_array_equal(got, 1.0)
     assert optimizer.skipped_steps == (0 if bad is None else 1)
+
+
+@pytest.mark.parametrize("bad", [None, np.nan])
+def test_a_fixed_scale_of_one_divides_nothing_but_still_skips(bad, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a scale of 1 needs no unscale")
+
+    monkeypatch.setattr(gradient_check, "unscale", refuse)
+    monkeypatch.setattr(gradient_check, "check_and_unscale", refuse)
+    weight = keras.Variable(np.ones((3,)), dtype="float32")
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), dynamic=False, initial_scale=1.0
+    )
+    values = np.full((3,), 2.0, "float32")
+    if bad is not None:
+        values[0] = bad
+    optimizer.apply([keras.ops.convert_to_tensor(values)], [weight])
+    expected = 1.0 if bad is not None else 0.0
+    np.testing.assert_array_equal(to_numpy(weight), expected)
+    assert optimizer.skipped_steps == (0 if bad is None else 1)
