@@ -7,6 +7,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_keras_configs
@@ -293,11 +294,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skipped_at = position[id(self.skipped_step_counter)]
 
         finite = self.check_finite(grads)
-        unscaled_grads = self._unscale(
-            grads, own_values[scale_at], self._trainable_variables
-        )
 
         def apply_step():
+            # Unscaled inside the branch, where XLA fuses the division into
+            # the inner optimizer's update.
+            unscaled_grads = self._unscale(
+                grads, own_values[scale_at], self._trainable_variables
+            )
             return self.inner_optimizer.stateless_apply(
                 inner_values, unscaled_grads, trainable_variables
             )
@@ -324,7 +327,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Under tf.distribute, all replicas agree on skipping a step.
         tf_replicas.apply(self, grads, trainable_variables)
 
+    def check_finite(self, grads):
+        """Returns a boolean scalar tensor: True if all `grads` are finite.
+
+        One fused check over all gradients (see `gradient_check`).
+        """
+        return gradient_check.all_finite(grads)
+
     def _common_apply(self, grads, trainable_variables=None, finite=None):
+        if (
+            finite is None
+            and keras.backend.backend() == "torch"
+            and not self._scale_is_one()
+        ):
+            # One fused kernel checks and unscales (in place) every gradient.
+            variables = trainable_variables or self._trainable_variables
+            finite, unscaled = gradient_check.check_and_unscale(
+                grads, self.dynamic_scale, self._kept(variables)
+            )
+            if bool(finite):
+                self.inner_optimizer.apply(
+                    unscaled, trainable_variables=trainable_variables
+                )
+                self._count_finite_step()
+            else:
+                self._stateful_handle_non_finite_grads()
+            return
         if finite is None:
             finite = self.check_finite(grads)
         if not is_concrete(finite):
@@ -390,12 +418,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             count()
 
     def _unscale(self, grads, scale, variables):
-        return [
-            g
-            if g is None or self._overwrite_variable_with_gradient(v)
-            else ops.divide(g, scale)
-            for g, v in zip(grads, variables, strict=True)
-        ]
+        if self._scale_is_one():
+            return list(grads)
+        return gradient_check.unscale(grads, scale, self._kept(variables))
+
+    def _scale_is_one(self):
+        # A fixed scale of 1 (a wrapper on a step that needs no scaling):
+        # nothing to divide.
+        return not self.dynamic and self.initial_scale == 1.0
+
+    def _kept(self, variables):
+        # The gradients Keras never unscales: those that overwrite their
+        # variable.
+        return [self._overwrite_variable_with_gradient(v) for v in variables]
 
     def _next_state(self, scale, counter, skipped, finite):
         """Returns the (scale, counter, skipped) that follow one step.

@@ -53,9 +53,16 @@ def make_optimizer(arm, policy_name, loss_scale=None):
         loss_scale = make_policy(arm, policy_name).compute_dtype == "float16"
     if not loss_scale:
         return optimizer
+    return wrap_optimizer(arm, optimizer)
+
+
+def wrap_optimizer(arm, optimizer):
+    """Returns `optimizer` in the arm's loss-scale optimizer."""
     if arm == PLUGIN:
         return kdp.LossScaleOptimizer(optimizer)
-    return keras.optimizers.LossScaleOptimizer(optimizer)
+    if arm == KERAS:
+        return keras.optimizers.LossScaleOptimizer(optimizer)
+    raise ValueError(f"Unknown arm. Expected 'plugin' or 'keras'. Got {arm!r}")
 
 
 @contextlib.contextmanager
@@ -86,6 +93,24 @@ def build_mlp(arm, policy_name, units, use_bias=True):
             keras.layers.Dense(units[-1], dtype=make_policy(arm, "float32"))
         )
         return keras.Sequential(layers, name=f"mlp_{arm}_{policy_name}")
+
+
+def build_deep(arm, policy_name, units, blocks, classes=10):
+    """Returns a deep, narrow model with many small weight tensors.
+
+    `blocks` x (Dense `units` (relu) + LayerNormalization), then float32
+    logits: 4 x `blocks` + 2 weight tensors, as in the models trained in
+    mixed precision, where a per-tensor cost adds up.
+    """
+    with global_policy(make_policy(arm, policy_name)):
+        layers = [keras.Input((units,))]
+        for _ in range(blocks):
+            layers.append(keras.layers.Dense(units, activation="relu"))
+            layers.append(keras.layers.LayerNormalization())
+        layers.append(
+            keras.layers.Dense(classes, dtype=make_policy(arm, "float32"))
+        )
+        return keras.Sequential(layers, name=f"deep_{arm}_{policy_name}")
 
 
 def build_convnet(arm, policy_name, image, filters, classes=10):

@@ -88,6 +88,7 @@ def render_backend(result):
         ("speedup", _speedup_section),
         ("memory", _memory_section),
         ("audit", audit_section),
+        ("scaling_cost", _scaling_cost_section),
     )
     for key, section in sections:
         if key in result:
@@ -322,6 +323,37 @@ def audit_section(results):
         ),
         "",
     ]
+
+
+def _scaling_cost_section(results):
+    setup = results["setup"]
+    jit = setup["models"]["bare"]["jit_compile"]
+    lines = [
+        "### 6. What loss scaling costs a step",
+        "",
+        f"{setup['model']} ({setup['weight_tensors']} weight tensors) under "
+        f"Keras' own {setup['policy']} policy, batch {setup['batch_size']}, "
+        "Adam bare and in each loss-scale optimizer; "
+        f"{setup['repeats']} `fit` epochs per arm, interleaved; "
+        f"jit_compile={jit}.",
+        "",
+        "| arm | ms/step | over bare | paired IQR "
+        f"| target <= {setup['target']} |",
+        "|---|---|---|---|---|",
+        f"| bare Adam | {_time(results['bare'], 1e3)} | | | |",
+    ]
+    for arm, label in ((KERAS, "Keras' wrapper"), (PLUGIN, "plugin")):
+        lines.append(
+            f"| {label} | {_time(results[arm], 1e3)} "
+            f"| {_comparison(results['cost'][arm])} |"
+        )
+    versus = results["plugin_over_keras"]
+    lines += [
+        "",
+        f"plugin/Keras: {_comparison(versus)} (target <= 1.0).",
+        "",
+    ]
+    return lines
 
 
 def _thread_limit(threads):

@@ -5,7 +5,14 @@ Importing this module imports no backend and not Keras.
 
 import dataclasses
 
-BENCHMARKS = ("layer_call", "loss_scaling", "speedup", "memory", "audit")
+BENCHMARKS = (
+    "layer_call",
+    "loss_scaling",
+    "speedup",
+    "memory",
+    "audit",
+    "scaling_cost",
+)
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 
@@ -21,6 +28,8 @@ TARGETS = {
     "layer_call": 1.05,
     "loss_scaling": 1.02,
     "speedup": 0.98,
+    # Step time with a loss-scale optimizer over the bare optimizer.
+    "scaling_cost": 1.03,
 }
 
 
@@ -48,6 +57,10 @@ class Sizes:
         memory_depth: Number of its hidden layers.
         memory_steps: Training steps whose peak memory is read.
         memory_repeats: Fresh processes per memory configuration.
+        deep_units: Width of the many-tensor model of the scaling cost.
+        deep_blocks: Its (Dense + LayerNormalization) blocks.
+        deep_batch: Its batch size.
+        deep_repeats: Timed repetitions of each of its three arms.
     """
 
     name: str
@@ -68,6 +81,10 @@ class Sizes:
     memory_depth: int
     memory_steps: int
     memory_repeats: int
+    deep_units: int
+    deep_blocks: int
+    deep_batch: int
+    deep_repeats: int
 
 
 FULL = Sizes(
@@ -89,6 +106,10 @@ FULL = Sizes(
     memory_depth=6,
     memory_steps=3,
     memory_repeats=2,
+    deep_units=64,
+    deep_blocks=48,
+    deep_batch=64,
+    deep_repeats=15,
 )
 
 QUICK = Sizes(
@@ -110,6 +131,10 @@ QUICK = Sizes(
     memory_depth=2,
     memory_steps=2,
     memory_repeats=1,
+    deep_units=16,
+    deep_blocks=4,
+    deep_batch=16,
+    deep_repeats=3,
 )
 
 

@@ -15,6 +15,7 @@ from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
 from tests.benchmarks import machine
 from tests.benchmarks import memory
+from tests.benchmarks import scaling_cost
 from tests.benchmarks import speedup
 from tests.benchmarks import threads as thread_limit
 from tests.benchmarks.sizes import BENCHMARKS
@@ -54,6 +55,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "speedup": lambda: speedup.run(sizes),
         "memory": lambda: memory.run(name, sizes, threads),
         "audit": lambda: audit.run(sizes),
+        "scaling_cost": lambda: scaling_cost.run(sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:

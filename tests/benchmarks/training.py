@@ -116,7 +116,7 @@ def plan(estimate, budget, max_steps):
     return SKIP, max(1, min(max_steps, int(budget / estimate)))
 
 
-def step_times(models, x, y, batch_size, sizes, group=None):
+def step_times(models, x, y, batch_size, sizes, group=None, repeats=None):
     """Times training steps of several models, interleaved.
 
     Each model first trains one short untimed epoch (compilation), whose
@@ -134,6 +134,7 @@ def step_times(models, x, y, batch_size, sizes, group=None):
         sizes: A `sizes.Sizes`: `repeats`, `step_budget` and `max_steps`.
         group: A function from a key to its group; by default every key is
             a group of its own.
+        repeats: Timed epochs per model; defaults to `sizes.repeats`.
 
     Returns:
         A tuple: `{key: [seconds per step, one per repetition]}` and
@@ -156,5 +157,7 @@ def step_times(models, x, y, batch_size, sizes, group=None):
         )
         for key, model in models.items()
     }
-    samples = measure.interleaved(measurements, sizes.repeats, warmup=0)
+    samples = measure.interleaved(
+        measurements, repeats or sizes.repeats, warmup=0
+    )
     return samples, {key: steps for key, (_, steps) in plans.items()}

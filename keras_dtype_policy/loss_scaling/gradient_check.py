@@ -1,0 +1,206 @@
+"""The finite check and the unscale of loss-scaled gradients, fused.
+
+One question per step: are all gradients finite? And one answer to it in
+the cheapest correct form each backend offers:
+
+- PyTorch: `torch._amp_foreach_non_finite_check_and_unscale_`, the kernel
+  of `torch.amp.GradScaler`: one pass over the gradients checks and
+  unscales them in place. Where it is missing or refuses the tensors, the
+  portable path below.
+- TensorFlow: the gradients flattened into one vector and checked by one
+  `is_finite` and one reduction, inside `tf.function` and on each
+  `tf.distribute` replica alike; the unscale is one divide a tensor.
+- JAX (and the portable path): one reduction over all gradients, which XLA
+  fuses into a single kernel under `jit`; the unscale is left to the caller
+  to do where XLA fuses it into the optimizer's update.
+
+A gradient that is None is left out. A gradient of a variable that is
+overwritten with its gradient (`overwrite_with_gradient`) is checked but
+never unscaled, as in Keras. `tf.IndexedSlices` are checked and unscaled by
+their values.
+
+Backends are imported inside the functions, once Keras runs on them.
+"""
+
+import keras
+from keras import ops
+
+
+def all_finite(grads):
+    """Returns a scalar boolean tensor: True if no gradient holds NaN or Inf.
+
+    Args:
+        grads: A list of gradient tensors; None entries are ignored.
+
+    Returns:
+        A boolean scalar tensor (True for an empty list).
+    """
+    tensors = [_values(g) for g in grads if g is not None]
+    if not tensors:
+        return ops.convert_to_tensor(True)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return _tf_all_finite(tensors)
+    if backend == "torch":
+        return _torch_all_finite(tensors)
+    return _portable_all_finite(tensors)
+
+
+def unscale(grads, scale, keep=None):
+    """Returns the gradients divided by `scale`.
+
+    Args:
+        grads: A list of gradient tensors (None entries stay None).
+        scale: The loss scale, a scalar tensor or variable.
+        keep: Optional list of booleans, one per gradient: True leaves that
+            gradient as it is.
+
+    Returns:
+        A new list of gradients.
+    """
+    keep = keep or [False] * len(grads)
+    return [
+        g if g is None or kept else _unscaled(g, scale)
+        for g, kept in zip(grads, keep, strict=True)
+    ]
+
+
+def check_and_unscale(grads, scale, keep=None):
+    """Checks and unscales the gradients in one go where the backend can.
+
+    Args:
+        grads: A list of gradient tensors (None entries stay None).
+        scale: The loss scale, a scalar tensor or variable.
+        keep: Optional list of booleans, one per gradient: True leaves that
+            gradient as it is (checked, not unscaled).
+
+    Returns:
+        A tuple `(finite, unscaled_grads)`: a boolean scalar tensor, and the
+        gradients divided by the scale. On PyTorch the gradient tensors
+        themselves are unscaled in place (as `GradScaler.unscale_` does)
+        and returned; where a gradient is not finite, the values of the
+        returned list are unspecified.
+    """
+    keep = keep or [False] * len(grads)
+    if len(keep) != len(grads):
+        raise ValueError(
+            "`keep` must have one entry per gradient. Received: "
+            f"{len(keep)} entries for {len(grads)} gradients"
+        )
+    if keras.backend.backend() == "torch":
+        fused = _torch_check_and_unscale(grads, scale, keep)
+        if fused is not None:
+            return fused
+    return all_finite(grads), unscale(grads, scale, keep)
+
+
+def _values(gradient):
+    # The tensor holding a gradient's numbers (IndexedSlices: its values).
+    if _is_indexed_slices(gradient):
+        return gradient.values
+    return ops.convert_to_tensor(gradient)
+
+
+def _is_indexed_slices(gradient):
+    return hasattr(gradient, "indices") and hasattr(gradient, "dense_shape")
+
+
+def _unscaled(gradient, scale):
+    # As Keras' divide by the float32 scale: a float16 or bfloat16 gradient
+    # comes back as float32.
+    if _is_indexed_slices(gradient):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(
+            _unscaled(gradient.values, scale),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    return ops.divide(gradient, scale)
+
+
+def _portable_all_finite(tensors):
+    # One reduction over every gradient: XLA fuses the concatenation into
+    # the reduction's input, so no flat copy is made under jit.
+    flat = [
+        ops.reshape(ops.cast(t, "float32"), (-1,))
+        if t.dtype != "float32"
+        else ops.reshape(t, (-1,))
+        for t in tensors
+    ]
+    joined = flat[0] if len(flat) == 1 else ops.concatenate(flat, axis=0)
+    return ops.all(ops.isfinite(joined))
+
+
+def _tf_all_finite(tensors):
+    import tensorflow as tf
+
+    flat = [
+        tf.reshape(t if t.dtype == tf.float32 else tf.cast(t, tf.float32), [-1])
+        for t in tensors
+    ]
+    joined = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
+    return tf.reduce_all(tf.math.is_finite(joined))
+
+
+def _torch_all_finite(tensors):
+    import torch
+
+    found = [
+        torch.logical_not(torch.isfinite(t).all())
+        for t in tensors
+        if t.is_floating_point() or t.is_complex()
+    ]
+    if not found:
+        return torch.tensor(True)
+    return torch.logical_not(torch.stack(found).any())
+
+
+def _torch_check_and_unscale(grads, scale, keep):
+    """The fused PyTorch path; None where it does not apply.
+
+    Only float32 and float64 gradients are unscaled in place: a float16 or
+    bfloat16 gradient divided by the float32 scale becomes float32 in
+    Keras, and would lose its small values if unscaled in its own dtype.
+    Those, and the kept gradients, take the portable path beside it.
+    """
+    import torch
+
+    kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    scale = torch.as_tensor(getattr(scale, "value", scale))
+    if kernel is None or scale.device.type not in _TORCH_DEVICES:
+        return None
+    fused = []
+    others = []
+    for index, (gradient, kept) in enumerate(zip(grads, keep, strict=True)):
+        if gradient is None:
+            continue
+        if not isinstance(gradient, torch.Tensor) or gradient.is_sparse:
+            return None
+        if (
+            kept
+            or gradient.dtype not in (torch.float32, torch.float64)
+            or gradient.device != scale.device
+        ):
+            others.append(index)
+        else:
+            fused.append(gradient)
+    with torch.no_grad():
+        found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+        if fused:
+            inverse = torch.reciprocal(scale.to(torch.float32)).reshape(1)
+            kernel(fused, found, inverse)
+        finite = torch.eq(found[0], 0)
+    if not others:
+        return finite, list(grads)
+    rest = [grads[i] for i in others]
+    finite = torch.logical_and(finite, _torch_all_finite(rest))
+    unscaled = list(grads)
+    rest = unscale(rest, scale, [keep[i] for i in others])
+    for index, gradient in zip(others, rest, strict=True):
+        unscaled[index] = gradient
+    return finite, unscaled
+
+
+# Devices whose fused kernel PyTorch builds by default.
+_TORCH_DEVICES = ("cpu", "cuda")

@@ -1,0 +1,240 @@
+"""The fused finite check and unscale of loss-scaled gradients.
+
+Each backend's path (`gradient_check`): PyTorch's fused AMP kernel (in
+place), TensorFlow's single `is_finite` over the flattened gradients (eager,
+in `tf.function`, with `tf.IndexedSlices`), JAX's single reduction (eager
+and under `jit`).
+"""
+
+import keras
+import numpy as np
+import pytest
+from testing import BACKEND
+from testing import to_numpy
+
+from keras_dtype_policy import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling import gradient_check
+
+SCALE = 1024.0
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def gradients(bad=None, at=1, dtypes=DTYPES):
+    """One gradient per dtype, scaled; `bad` (nan/inf) put into one."""
+    grads = []
+    for i, dtype in enumerate(dtypes):
+        values = np.full((2, 3), 0.5 * SCALE * (i + 1), "float32")
+        if bad is not None and i == at:
+            values[1, 2] = bad
+        grads.append(keras.ops.convert_to_tensor(values, dtype=dtype))
+    return grads
+
+
+def compiled(function):
+    """`function` as the backend traces it: jit, tf.function, or eager.
+
+    PyTorch runs Keras' training step eagerly: its paths run as they are.
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(function)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(function)
+    return function
+
+
+@pytest.mark.parametrize("trace", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize(
+    "bad, at",
+    [(None, 0), (np.nan, 0), (np.inf, 1), (-np.inf, 2), (np.nan, 2)],
+)
+def test_all_finite_sees_any_bad_value_in_any_dtype(bad, at, trace):
+    check = gradient_check.all_finite
+    if trace:
+        check = compiled(check)
+    finite = check(gradients(bad, at))
+    assert bool(to_numpy(finite)) is (bad is None)
+
+
+def test_all_finite_skips_none_and_is_true_for_no_gradients():
+    assert bool(to_numpy(gradient_check.all_finite([None, None])))
+    grads = [None, *gradients(np.nan, at=0)[:1], None]
+    assert not bool(to_numpy(gradient_check.all_finite(grads)))
+
+
+def test_a_sum_that_overflows_is_still_finite():
+    # Large finite values: a check by sum or norm would see an Inf.
+    big = np.full((4,), 3e38, "float32")
+    assert bool(to_numpy(gradient_check.all_finite([big, big])))
+
+
+def test_unscale_divides_as_keras_does_and_keeps_what_it_is_told():
+    grads = [None, *gradients()]
+    keep = [False, False, True, False]
+    scale = keras.Variable(SCALE)
+    expected = [None, *(keras.ops.divide(g, scale) for g in grads[1:])]
+    expected[2] = grads[2]
+    result = gradient_check.unscale(grads, scale, keep)
+    assert result[0] is None
+    assert result[2] is grads[2]
+    for got, want in zip(result[1:], expected[1:], strict=True):
+        # float16 and bfloat16 come back as float32, as Keras' divide by
+        # the float32 scale makes them.
+        assert keras.backend.standardize_dtype(got.dtype) == (
+            keras.backend.standardize_dtype(want.dtype)
+        )
+        np.testing.assert_array_equal(
+            to_numpy(got).astype("float32"), to_numpy(want).astype("float32")
+        )
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf])
+def test_check_and_unscale_agrees_with_the_separate_steps(bad):
+    grads = [None, *gradients(bad, at=1)]
+    originals = [None, *(to_numpy(g).astype("float32") for g in grads[1:])]
+    keep = [False, False, False, True]
+    finite, unscaled = gradient_check.check_and_unscale(
+        grads, keras.Variable(SCALE), keep
+    )
+    assert bool(to_numpy(finite)) is (bad is None)
+    assert unscaled[0] is None
+    assert unscaled[3] is grads[3]
+    if bad is None:
+        for got, original in zip(unscaled[1:3], originals[1:3], strict=True):
+            np.testing.assert_array_equal(
+                to_numpy(got).astype("float32"), original / SCALE
+            )
+    # PyTorch unscales float32 gradients in place (GradScaler's kernel);
+    # the other backends leave the gradients they were given as they were.
+    first = to_numpy(grads[1]).astype("float32")
+    if BACKEND == "torch":
+        assert unscaled[1] is grads[1]
+        np.testing.assert_array_equal(first, originals[1] / SCALE)
+    else:
+        np.testing.assert_array_equal(first, originals[1])
+
+
+def test_a_bad_value_in_a_kept_gradient_is_still_seen():
+    grads = gradients(np.nan, at=0)
+    finite, _ = gradient_check.check_and_unscale(
+        grads, keras.Variable(SCALE), [True, False, False]
+    )
+    assert not bool(to_numpy(finite))
+
+
+def test_keep_must_match_the_gradients():
+    with pytest.raises(ValueError, match="one entry per gradient"):
+        gradient_check.check_and_unscale(gradients(), SCALE, [False])
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's fused kernel")
+def test_torch_without_the_fused_kernel_gives_the_same_result(monkeypatch):
+    import torch
+
+    fused = gradient_check.check_and_unscale(gradients(), SCALE)
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    portable = gradient_check.check_and_unscale(gradients(), SCALE)
+    assert bool(fused[0]) and bool(portable[0])
+    for a, b in zip(fused[1], portable[1], strict=True):
+        np.testing.assert_array_equal(
+            to_numpy(a).astype("float32"), to_numpy(b).astype("float32")
+        )
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a TensorFlow graph")
+def test_tensorflow_checks_all_gradients_with_one_is_finite():
+    import tensorflow as tf
+
+    grads = [tf.ones((3, i + 1)) for i in range(20)]
+    graph = (
+        tf.function(gradient_check.all_finite).get_concrete_function(grads)
+    ).graph
+    kinds = [op.type for op in graph.get_operations()]
+    assert kinds.count("IsFinite") == 1
+    assert kinds.count("All") == 1
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices")
+@pytest.mark.parametrize("bad", [None, np.nan])
+def test_indexed_slices_are_checked_and_unscaled_by_their_values(bad):
+    import tensorflow as tf
+
+    values = np.full((2, 3), SCALE, "float32")
+    if bad is not None:
+        values[0, 0] = bad
+    sliced = tf.IndexedSlices(
+        tf.constant(values), tf.constant([0, 3]), tf.constant([5, 3])
+    )
+    dense = tf.fill((4,), SCALE)
+    finite, unscaled = tf.function(gradient_check.check_and_unscale)(
+        [sliced, dense], tf.constant(SCALE)
+    )
+    assert bool(finite) is (bad is None)
+    assert isinstance(unscaled[0], tf.IndexedSlices)
+    np.testing.assert_array_equal(unscaled[0].indices.numpy(), [0, 3])
+    if bad is None:
+        np.testing.assert_array_equal(unscaled[0].values.numpy(), 1.0)
+        np.testing.assert_array_equal(unscaled[1].numpy(), 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist:UserWarning")
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf])
+def test_optimizer_steps_over_many_tensors_of_mixed_dtypes(bad):
+    # A float32 and a float16 weight, a weight without gradient: a finite
+    # step moves the weights by the unscaled gradients; a bad one is
+    # skipped and leaves every weight as it was.
+    def make():
+        return [
+            keras.Variable(np.ones((2, 3)), dtype="float32"),
+            keras.Variable(np.ones((2, 3)), dtype="float16"),
+            keras.Variable(np.ones((4,)), dtype="float32"),
+        ]
+
+    def grads():
+        scaled = gradients(bad, at=1, dtypes=("float32", "float16"))
+        return [scaled[0], scaled[1], None]
+
+    weights = make()
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=SCALE
+    )
+    scaled = [None if g is None else to_numpy(g) for g in grads()]
+    optimizer.apply(grads(), weights)
+    # SGD: w - 0.1 * g / scale (Keras' own wrapper cannot step eagerly on
+    # JAX, so the expectation is written out).
+    expected = [
+        np.ones((2, 3)) - 0.1 * scaled[0].astype("float32") / SCALE,
+        np.ones((2, 3)) - 0.1 * scaled[1].astype("float32") / SCALE,
+        np.ones((4,)),
+    ]
+    for weight, want in zip(weights, expected, strict=True):
+        got = to_numpy(weight).astype("float32")
+        assert np.all(np.isfinite(got))
+        if bad is None:
+            np.testing.assert_allclose(got, want, rtol=1e-3)
+        else:
+            np.testing.assert_array_equal(got, 1.0)
+    assert optimizer.skipped_steps == (0 if bad is None else 1)
+
+
+@pytest.mark.parametrize("bad", [None, np.nan])
+def test_a_fixed_scale_of_one_divides_nothing_but_still_skips(bad, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a scale of 1 needs no unscale")
+
+    monkeypatch.setattr(gradient_check, "unscale", refuse)
+    monkeypatch.setattr(gradient_check, "check_and_unscale", refuse)
+    weight = keras.Variable(np.ones((3,)), dtype="float32")
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), dynamic=False, initial_scale=1.0
+    )
+    values = np.full((3,), 2.0, "float32")
+    if bad is not None:
+        values[0] = bad
+    optimizer.apply([keras.ops.convert_to_tensor(values)], [weight])
+    expected = 1.0 if bad is not None else 0.0
+    np.testing.assert_array_equal(to_numpy(weight), expected)
+    assert optimizer.skipped_steps == (0 if bad is None else 1)
