@@ -18,6 +18,7 @@ from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.tf_keras_compat import bfloat16_weights
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
 from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
@@ -85,6 +86,18 @@ PATCHES = (
         "load_model_from_hdf5",
         optimizer_state.make_h5_model_loader,
         "Keep .h5 optimizer state past the loader's empty placeholder build.",
+    ),
+    Patch(
+        legacy_h5_format,
+        "_set_weights",
+        bfloat16_weights.make_set_weights,
+        "Read the bfloat16 weights tf.keras wrote into .h5 as bfloat16.",
+    ),
+    Patch(
+        saving_lib.H5IOStore,
+        "__getitem__",
+        bfloat16_weights.make_h5_store_getitem,
+        "Read the bfloat16 weights tf.keras wrote into .keras as bfloat16.",
     ),
 )
 

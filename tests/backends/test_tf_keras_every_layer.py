@@ -24,13 +24,15 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from testing import BACKEND
 from testing import to_numpy
 
+import keras_dtype_policy
 from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import layer_arguments
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+FIXTURES = (
+    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+)
 EVERY_LAYER = FIXTURES / "every_layer"
 MANIFEST = json.loads((EVERY_LAYER / "manifest.json").read_text())
 EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
@@ -54,7 +56,14 @@ NEEDS_TENSORFLOW = {
 # Layers whose Keras 3 computation differs from tf-keras' by more than
 # rounding, and why; compared with a looser tolerance (ulps of the
 # compute dtype).
-LOOSER = {}
+LOOSER = {
+    # A recurrence of convolutions: float16 rounding compounds over the time
+    # steps, and Keras 3 orders the gate arithmetic differently.
+    "ConvLSTM2D": 32,
+}
+# The loading of these is issue 14's part B (MultiHeadAttention's legacy
+# call node and build config); they pass once it is merged.
+PART_B = {"MultiHeadAttention": "build() from a tf.keras build config"}
 
 
 @pytest.fixture(scope="module")
@@ -100,27 +109,42 @@ def inputs_of(arrays, name):
     return xs if len(xs) > 1 else xs[0]
 
 
-@pytest.mark.parametrize(("name", "policy"), CASES)
+@pytest.mark.parametrize(
+    ("name", "policy"),
+    [
+        pytest.param(
+            name,
+            policy,
+            marks=pytest.mark.xfail(
+                reason=f"issue 14 part B: {PART_B[name]}", strict=True
+            ),
+        )
+        if name in PART_B
+        else (name, policy)
+        for name, policy in CASES
+    ],
+)
 def test_loads_with_policies_and_predictions(saved, tmp_path, name, policy):
     h5, arrays = saved[policy]
     path = tmp_path / f"{name}.h5"
     write_model_file(h5, name, path)
     if name in NEEDS_TENSORFLOW and not HAS_TENSORFLOW:
-        with pytest.raises(ImportError, match="requires TensorFlow"):
+        # Keras' loader wraps the ImportError in a TypeError.
+        with pytest.raises((ImportError, TypeError), match="requires TensorF"):
             keras.saving.load_model(path)
         return
     model = keras.saving.load_model(path)
     expected = saved_policies(json.loads(h5[name].attrs["model_config"]))
+    assert policy in expected.values()
     for layer in model.layers:
-        saved_policy = expected[layer.name]
-        if saved_policy is not None:
-            assert layer.dtype_policy.name == saved_policy, layer.name
-    assert policy in {layer.dtype_policy.name for layer in model.layers}
+        # An InputLayer's dtype is its input's, not a policy.
+        if not isinstance(layer, keras.layers.InputLayer):
+            assert layer.dtype_policy.name == expected[layer.name], layer.name
     ulps = LOOSER.get(name, 8)
     tolerance = ulps * EPSILON[DTypePolicy(policy).compute_dtype]
     y = arrays[f"{name}.y"]
     np.testing.assert_allclose(
-        to_numpy(model.predict(inputs_of(arrays, name), verbose=0)),
+        to_numpy(model(inputs_of(arrays, name), training=False)),
         y,
         rtol=tolerance,
         atol=tolerance * max(1.0, float(np.abs(y).max())),
@@ -151,7 +175,9 @@ def test_every_refused_key_is_in_the_table(saved):
             for class_name, inner in script.layer_configs(config):
                 if class_name in NEEDS_TENSORFLOW and not HAS_TENSORFLOW:
                     continue
-                cls = getattr(keras.layers, class_name)
+                cls = getattr(keras.layers, class_name, None)
+                if cls is None:  # a tf.keras Policy, an initializer...
+                    continue
                 refused, _ = script.rejected_by_keras3(cls, inner)
                 for key in refused:
                     found.setdefault(key, set()).add(class_name)
@@ -193,8 +219,4 @@ def test_an_argument_keras3_cannot_reproduce_fails_naming_it(
         match=rf"'odd' \({class_name}\) was saved by tf.keras 2 with "
         rf"{key}=.*does not support",
     ):
-        keras.models.model_from_json(json.dumps(config))
-
-
-def test_backend_named_in_module():
-    assert BACKEND in ("jax", "tensorflow", "torch")
+        keras_dtype_policy.model_from_json(json.dumps(config))
