@@ -15,6 +15,8 @@ else:
   that would change the computation raises), `batch_input_shape` on a
   layer other than an InputLayer, and one-element `axis` lists;
 - layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
+- tf.keras' loss objects in compile configs (`fn`, `reduction="auto"`:
+  see `compile_objects`);
 - optimizers saved under a backend's own module (a model compiled on torch
   saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
   backend only and would import it: they become the backend-neutral
@@ -31,6 +33,7 @@ from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
 )
 from keras_dtype_policy.policies.registration import registered_name
 from keras_dtype_policy.tf_keras_compat import layer_arguments
+from keras_dtype_policy.tf_keras_compat import compile_objects
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 _TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
@@ -118,6 +121,12 @@ def translate_optimizer_config(config):
             # tf.keras 2.11+ optimizers; "Custom>Adam" in .h5 files.
             config["class_name"] = class_name.removeprefix("Custom>")
             config["config"] = without_tf_keras_keys(inner)
+            if "learning_rate" in config["config"]:
+                config["config"]["learning_rate"] = (
+                    compile_objects.translate_learning_rate(
+                        config["config"]["learning_rate"]
+                    )
+                )
     return config
 
 
@@ -130,6 +139,11 @@ def translate_compile_config(config):
     for key in ("loss", "metrics", "weighted_metrics"):
         if key in config:
             config[key] = _unalias_losses(config[key])
+    if "loss" in config:
+        config["loss"] = compile_objects.translate_losses(config["loss"])
+    for key in ("metrics", "weighted_metrics"):
+        if key in config:
+            config[key] = compile_objects.translate_metrics(config[key])
     for key in ("optimizer", "optimizer_config"):
         if isinstance(config.get(key), dict):
             config[key] = translate_optimizer_config(config[key])
