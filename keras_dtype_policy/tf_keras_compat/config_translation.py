@@ -32,8 +32,8 @@ from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
     without_tf_keras_keys,
 )
 from keras_dtype_policy.policies.registration import registered_name
-from keras_dtype_policy.tf_keras_compat import layer_arguments
 from keras_dtype_policy.tf_keras_compat import compile_objects
+from keras_dtype_policy.tf_keras_compat import layer_arguments
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 _TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
