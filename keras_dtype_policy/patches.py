@@ -21,6 +21,7 @@ from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.policies import rules_application
+from keras_dtype_policy.tf_keras_compat import bfloat16_weights
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
 from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
@@ -100,6 +101,18 @@ PATCHES = (
         "__init__",
         rules_application.make_layer_init,
         "Let a precision_scope choose the policy of each new layer.",
+    ),
+    Patch(
+        legacy_h5_format,
+        "_set_weights",
+        bfloat16_weights.make_set_weights,
+        "Read the bfloat16 weights tf.keras wrote into .h5 as bfloat16.",
+    ),
+    Patch(
+        saving_lib.H5IOStore,
+        "__getitem__",
+        bfloat16_weights.make_h5_store_getitem,
+        "Read the bfloat16 weights tf.keras wrote into .keras as bfloat16.",
     ),
 )
 

@@ -10,10 +10,13 @@ else:
 - model classes saved under tf.keras modules (`tf_keras.src.engine...`);
 - tf.keras' `LossScaleOptimizer` (`LossScaleOptimizerV3`), which becomes
   this package's `LossScaleOptimizer`, and optimizer keys Keras 3 rejects;
-- layer arguments Keras 3 removed (`time_major`, a depthwise
-  convolution's `groups`, `batch_input_shape` on a layer other than an
-  InputLayer), and one-element `axis` lists;
+- layer arguments Keras 3's layers do not take, by the derived table of
+  `layer_arguments` (`time_major`, a convolution's `groups`, ...; a value
+  that would change the computation raises), `batch_input_shape` on a
+  layer other than an InputLayer, and one-element `axis` lists;
 - layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
+- tf.keras' loss objects in compile configs (`fn`, `reduction="auto"`:
+  see `compile_objects`);
 - optimizers saved under a backend's own module (a model compiled on torch
   saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
   backend only and would import it: they become the backend-neutral
@@ -29,6 +32,8 @@ from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
     without_tf_keras_keys,
 )
 from keras_dtype_policy.policies.registration import registered_name
+from keras_dtype_policy.tf_keras_compat import compile_objects
+from keras_dtype_policy.tf_keras_compat import layer_arguments
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 _TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
@@ -45,9 +50,6 @@ _LOSS_SCALE_OPTIMIZERS = (
 _BACKEND_OPTIMIZER_MODULE = re.compile(
     r"keras\.src\.backend\.(jax|numpy|openvino|tensorflow|torch)\.optimizers\."
 )
-_REMOVED_LAYER_ARGUMENTS = ("time_major",)
-# tf.keras' depthwise convolutions saved their base class' `groups` (1).
-_DEPTHWISE_CLASSES = ("DepthwiseConv1D", "DepthwiseConv2D")
 # Loss and metric short names that Keras 3's loaders cannot deserialize.
 _LOSS_ALIASES = {
     "mse": "mean_squared_error",
@@ -121,6 +123,12 @@ def translate_optimizer_config(config):
             # tf.keras 2.11+ optimizers; "Custom>Adam" in .h5 files.
             config["class_name"] = class_name.removeprefix("Custom>")
             config["config"] = without_tf_keras_keys(inner)
+            if "learning_rate" in config["config"]:
+                config["config"]["learning_rate"] = (
+                    compile_objects.translate_learning_rate(
+                        config["config"]["learning_rate"]
+                    )
+                )
     return config
 
 
@@ -133,6 +141,11 @@ def translate_compile_config(config):
     for key in ("loss", "metrics", "weighted_metrics"):
         if key in config:
             config[key] = _unalias_losses(config[key])
+    if "loss" in config:
+        config["loss"] = compile_objects.translate_losses(config["loss"])
+    for key in ("metrics", "weighted_metrics"):
+        if key in config:
+            config[key] = compile_objects.translate_metrics(config[key])
     for key in ("optimizer", "optimizer_config"):
         if isinstance(config.get(key), dict):
             config[key] = translate_optimizer_config(config[key])
@@ -215,8 +228,8 @@ def _translate_object(node, from_tf_keras):
     inner = node["config"]
     if "dtype" in inner:
         inner["dtype"] = _translate_dtype(inner["dtype"], from_tf_keras)
-    for argument in _REMOVED_LAYER_ARGUMENTS:
-        inner.pop(argument, None)
+    # Keys Keras 3 refuses: never in a Keras 3 config, so always safe.
+    layer_arguments.drop_unused(class_name, inner)
     if from_tf_keras:
         axis = inner.get("axis")
         if isinstance(axis, list) and len(axis) == 1:
@@ -228,8 +241,6 @@ def _translate_object(node, from_tf_keras):
         elif class_name != "InputLayer":
             # The InputLayer tf.keras wrote before the layer carries it too.
             inner.pop("batch_input_shape", None)
-        if class_name in _DEPTHWISE_CLASSES and inner.get("groups") == 1:
-            inner.pop("groups")
         if class_name in _MODEL_CLASSES:
             node["config"] = _without_slashed_layer_names(inner)
     return node

@@ -65,6 +65,14 @@ EXPECTED_PARAMETERS = {
         "name",
         "kwargs",
     ],
+    "keras.src.legacy.saving.legacy_h5_format._set_weights": [
+        "instance",
+        "symbolic_weights",
+        "weight_values",
+        "name",
+        "skip_mismatch",
+    ],
+    "keras.src.saving.saving_lib.H5IOStore.__getitem__": ["self", "key"],
 }
 TARGETS = set(EXPECTED_PARAMETERS)
 
