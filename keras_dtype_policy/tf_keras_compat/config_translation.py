@@ -14,6 +14,9 @@ else:
   convolution's `groups`, `batch_input_shape` on a layer other than an
   InputLayer), and one-element `axis` lists;
 - layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
+- MultiHeadAttention's saved shapes (`attention_configs`), and the call
+  graph's nested-model node numbers and keyword tensors
+  (`functional_nodes`);
 - optimizers saved under a backend's own module (a model compiled on torch
   saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
   backend only and would import it: they become the backend-neutral
@@ -29,6 +32,8 @@ from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
     without_tf_keras_keys,
 )
 from keras_dtype_policy.policies.registration import registered_name
+from keras_dtype_policy.tf_keras_compat import attention_configs
+from keras_dtype_policy.tf_keras_compat import functional_nodes
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 _TF_KERAS_MODULE_PREFIXES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
@@ -228,7 +233,9 @@ def _translate_object(node, from_tf_keras):
             inner.pop("batch_input_shape", None)
         if class_name in _DEPTHWISE_CLASSES and inner.get("groups") == 1:
             inner.pop("groups")
+        attention_configs.translate_attention(node)
         if class_name in _MODEL_CLASSES:
+            functional_nodes.translate_nodes(inner)
             node["config"] = _without_slashed_layer_names(inner)
     return node
 
