@@ -123,7 +123,7 @@ def test_nested_application_trains_its_head_only():
     y = np.eye(5, dtype="float32")[[0, 1]]
     model.fit(x, y, epochs=1, verbose=0)
     after = [to_numpy(w) for w in base.weights]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     for weight in model.weights:
         assert np.all(np.isfinite(to_numpy(weight)))
 
