@@ -17,6 +17,9 @@ else:
 - layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
 - tf.keras' loss objects in compile configs (`fn`, `reduction="auto"`:
   see `compile_objects`);
+- MultiHeadAttention's saved shapes (`attention_configs`), and the call
+  graph's nested-model node numbers and keyword tensors
+  (`functional_nodes`);
 - optimizers saved under a backend's own module (a model compiled on torch
   saves `keras.src.backend.torch.optimizers.torch_adam`), which load on that
   backend only and would import it: they become the backend-neutral
@@ -32,7 +35,9 @@ from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
     without_tf_keras_keys,
 )
 from keras_dtype_policy.policies.registration import registered_name
+from keras_dtype_policy.tf_keras_compat import attention_configs
 from keras_dtype_policy.tf_keras_compat import compile_objects
+from keras_dtype_policy.tf_keras_compat import functional_nodes
 from keras_dtype_policy.tf_keras_compat import layer_arguments
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
@@ -228,6 +233,10 @@ def _translate_object(node, from_tf_keras):
     inner = node["config"]
     if "dtype" in inner:
         inner["dtype"] = _translate_dtype(inner["dtype"], from_tf_keras)
+    if from_tf_keras:
+        # Before the keys Keras 3 refuses go: the saved shapes become a
+        # build config.
+        attention_configs.translate_attention(node)
     # Keys Keras 3 refuses: never in a Keras 3 config, so always safe.
     layer_arguments.drop_unused(class_name, inner)
     if from_tf_keras:
@@ -242,6 +251,7 @@ def _translate_object(node, from_tf_keras):
             # The InputLayer tf.keras wrote before the layer carries it too.
             inner.pop("batch_input_shape", None)
         if class_name in _MODEL_CLASSES:
+            functional_nodes.translate_nodes(inner)
             node["config"] = _without_slashed_layer_names(inner)
     return node
 

@@ -79,9 +79,6 @@ NO_CPU_KERNEL = {
         "not implemented for 'BFloat16'"
     ),
 }
-# The loading of these is issue 14's part B (MultiHeadAttention's legacy
-# call node and build config); they pass once it is merged.
-PART_B = {"MultiHeadAttention": "build() from a tf.keras build config"}
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +124,7 @@ def inputs_of(arrays, name):
     return xs if len(xs) > 1 else xs[0]
 
 
-@pytest.mark.parametrize(
-    ("name", "policy"),
-    [
-        pytest.param(
-            name,
-            policy,
-            marks=pytest.mark.xfail(
-                reason=f"issue 14 part B: {PART_B[name]}", strict=True
-            ),
-        )
-        if name in PART_B
-        else (name, policy)
-        for name, policy in CASES
-    ],
-)
+@pytest.mark.parametrize(("name", "policy"), CASES)
 def test_loads_with_policies_and_predictions(saved, tmp_path, name, policy):
     h5, arrays = saved[policy]
     path = tmp_path / f"{name}.h5"
