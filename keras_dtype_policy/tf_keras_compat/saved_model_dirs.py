@@ -226,6 +226,12 @@ def load_model(model_file, load_h5):
                 str(error).replace(str(h5_path), str(directory))
             ) from error
     optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and state["optimizer"] is None:
+        messages.append(
+            "the SavedModel holds no optimizer state that can be read (saved "
+            "with include_optimizer=False, or a tf.keras legacy optimizer): "
+            "the optimizer starts afresh"
+        )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         set_loss_scale_state(optimizer, state["loss_scale"])
     return model, messages

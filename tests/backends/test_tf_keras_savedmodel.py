@@ -32,6 +32,7 @@ from keras_dtype_policy.tf_keras_compat import migrate
 from keras_dtype_policy.tf_keras_compat import model_files
 from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 from keras_dtype_policy.tools import cli
+from keras_dtype_policy.tools import model_report
 
 FIXTURES = (
     pathlib.Path(__file__).resolve().parents[1]
@@ -208,6 +209,22 @@ def test_a_checkpoint_that_does_not_match_is_reported(tmp_path):
     )
     with pytest.raises(ModelFileError, match=f"^{directory}: its checkpoint"):
         migrate.migrate(directory, tmp_path / "mixed.keras")
+
+
+@needs_tensorflow
+def test_a_compiled_model_without_optimizer_state_starts_afresh(tmp_path):
+    # As saved with include_optimizer=False: a training config, no
+    # optimizer in the checkpoint.
+    directory = tmp_path / "no_optimizer"
+    shutil.copytree(FIXTURES / "conv_mixed_float16", directory)
+    shutil.copy(
+        FIXTURES / "conv_mixed_float16_lso_dynamic" / "keras_metadata.pb",
+        directory,
+    )
+    report = model_report.build_report(directory)
+    assert any("holds no optimizer state" in n for n in report["notes"])
+    assert report["optimizer"]["iterations"] == 0
+    assert report["optimizer"]["loss_scaling"]["state"]["loss_scale"] == 1024
 
 
 def tensorflow_error(directory):
