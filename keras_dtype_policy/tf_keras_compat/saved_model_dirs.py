@@ -21,6 +21,7 @@ import pathlib
 import re
 import tempfile
 
+import keras
 import numpy as np
 
 from keras_dtype_policy.tf_keras_compat.model_files import ModelFile
@@ -212,8 +213,6 @@ def load_model(model_file, load_h5):
         ModelFileError: if TensorFlow is not installed, or the checkpoint
             does not fit the model.
     """
-    import keras
-
     directory = model_file.path
     state = read_checkpoint(directory)
     with tempfile.TemporaryDirectory(prefix="keras-dtype-policy-") as tmp:
@@ -286,18 +285,15 @@ def read_checkpoint(directory):
             f"{directory}: its SavedModel cannot be read: "
             f"{type(error).__name__}: {message[0] if message else ''}"
         ) from None
-    graph = _Graph(objects, checkpoint.nodes, reader, directory)
     metadata = {
         node["node_id"]: node
         for node in read_metadata_nodes(directory / METADATA_FILE)
     }
-    layers = []
-    for node_id in graph.layer_nodes(0):
-        entry = metadata.get(node_id)
-        name = json.loads(entry["metadata"]).get("name") if entry else None
-        layers.append(
-            (name or f"layer_{node_id}", graph.layer_weights(node_id))
-        )
+    graph = _Graph(objects, checkpoint.nodes, reader, directory, metadata)
+    layers = [
+        (graph.layer_name(node_id), graph.layer_weights(node_id))
+        for node_id in graph.layer_nodes(0)
+    ]
     optimizer_id = graph.child(0, "optimizer")
     optimizer = None
     loss_scale = {}
@@ -332,7 +328,7 @@ class _Graph:
     number their nodes alike.
     """
 
-    def __init__(self, objects, checkpoint_nodes, reader, directory):
+    def __init__(self, objects, checkpoint_nodes, reader, directory, metadata):
         if len(objects) != len(checkpoint_nodes):
             raise ModelFileError(
                 f"{directory}: its checkpoint does not match its "
@@ -343,6 +339,7 @@ class _Graph:
         self._checkpoint = checkpoint_nodes
         self._reader = reader
         self._directory = directory
+        self._metadata = metadata
 
     def children(self, node_id):
         return [
@@ -399,15 +396,16 @@ class _Graph:
 
         tf-keras saves that list as the layer's `variables` child (unless
         the model was saved with `save_traces=False`); otherwise it is
-        rebuilt from the layer's attributes: trainable weights first, each
-        layer's own before its sublayers', as tf.keras orders them.
+        rebuilt from the layer's attributes as tf.keras orders it: the
+        trainable weights (each layer's own before its sublayers'), then
+        the others; a frozen layer's weights layer by layer.
         """
         listed = self.child(node_id, "variables")
         if listed is not None:
             ids = self._listed(listed)
         else:
-            trainable, frozen = self._gather(node_id, set())
-            ids = trainable + frozen
+            trainable, others = self._gather(node_id, set(), frozen=False)
+            ids = trainable + others
         return [(self.name(i), self.value(i)) for i in ids]
 
     def _listed(self, node_id):
@@ -417,7 +415,11 @@ class _Graph:
                 items.append((int(name), child_id))
         return [child_id for _, child_id in sorted(items)]
 
-    def _gather(self, node_id, seen):
+    def _gather(self, node_id, seen, frozen):
+        """Returns a layer's (trainable, other) weights, as node ids."""
+        frozen = (
+            frozen or self._layer_metadata(node_id).get("trainable") is False
+        )
         own, sublayers = [], []
 
         def visit(current):
@@ -435,12 +437,28 @@ class _Graph:
         seen.add(node_id)
         visit(node_id)
         trainable = [i for i in own if self._objects[i].variable.trainable]
-        frozen = [i for i in own if not self._objects[i].variable.trainable]
+        others = [i for i in own if not self._objects[i].variable.trainable]
+        if frozen:
+            trainable, others = [], trainable + others
         for sublayer in sublayers:
-            more_trainable, more_frozen = self._gather(sublayer, seen)
+            more_trainable, more_others = self._gather(sublayer, seen, frozen)
             trainable += more_trainable
-            frozen += more_frozen
-        return trainable, frozen
+            others += more_others
+        return trainable, others
+
+    def _layer_metadata(self, node_id):
+        entry = self._metadata.get(node_id)
+        if entry is None:
+            return {}
+        try:
+            metadata = json.loads(entry["metadata"])
+        except ValueError:
+            return {}
+        return metadata if isinstance(metadata, dict) else {}
+
+    def layer_name(self, node_id):
+        name = self._layer_metadata(node_id).get("name")
+        return name if isinstance(name, str) else f"layer_{node_id}"
 
     def optimizer_values(self, node_id):
         """The optimizer's `[iterations, slots...]`, or None if unsaved."""
