@@ -311,7 +311,16 @@ def read_checkpoint(directory):
 def _import_tensorflow(directory):
     try:
         import tensorflow as tf
-    except ImportError:
+    except ImportError as error:
+        missing = isinstance(error, ModuleNotFoundError) and error.name in (
+            None,
+            "tensorflow",
+        )
+        if not missing:
+            raise ModelFileError(
+                f"{directory}: reading a SavedModel directory needs "
+                f"TensorFlow, which does not import: {error}"
+            ) from None
         raise ModelFileError(
             f"{directory}: reading a SavedModel directory needs TensorFlow, "
             "which is not installed: pip install tensorflow-cpu (the model's "

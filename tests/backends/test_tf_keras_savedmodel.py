@@ -75,7 +75,8 @@ def test_configs_are_read_without_loading(name):
     changes = [str(change) for change in migrate.config_changes(source)]
     policy = MANIFEST[name]["policy"]
     assert any(
-        change.startswith("conv: ") and f'DTypePolicy "{policy}"' in change
+        change.split(": ")[0] in ("conv", "base/conv")
+        and f'DTypePolicy "{policy}"' in change
         for change in changes
     ), changes
 
