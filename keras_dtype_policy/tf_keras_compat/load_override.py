@@ -15,7 +15,9 @@ def load_model(path, policy=None, rules=None, keep_float32=True):
     """Loads a `.keras` or `.h5` model file, optionally under a new policy.
 
     Args:
-        path: A `.keras` or `.h5` file, written by Keras 3 or tf.keras 2.
+        path: A `.keras` or `.h5` file, written by Keras 3 or tf.keras 2,
+            or a SavedModel directory that tf.keras 2 wrote (reading it
+            needs TensorFlow).
         policy: The policy of every layer, such as `"float32"` or
             `"mixed_bfloat16"`; or None.
         rules: A `PrecisionRules` deciding each layer's policy instead

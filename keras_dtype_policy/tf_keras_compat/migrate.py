@@ -1,5 +1,8 @@
 """`migrate`: a tf.keras 2 model file rewritten as a Keras 3 `.keras` file.
 
+The model file may also be a SavedModel directory that tf.keras 2 wrote
+(see `saved_model_dirs`; loading it needs TensorFlow).
+
 The model is loaded through this package's translation of tf.keras 2
 configs and saved again by Keras 3, weights and (for a compiled model) the
 optimizer and its state included. What the translation changed is listed by
@@ -76,7 +79,7 @@ def migrate(old, new, overwrite=False, policy=None):
 
     Args:
         old: A `.keras` or `.h5` model file, as tf.keras 2 (or Keras 3)
-            saved it.
+            saved it, or a SavedModel directory that tf.keras 2 wrote.
         new: The `.keras` file to write.
         overwrite: Whether an existing `new` may be replaced.
         policy: A policy name (or `PrecisionRules`) to give every layer
@@ -116,6 +119,7 @@ def migrate(old, new, overwrite=False, policy=None):
     optimizer = getattr(model, "optimizer", None)
     if (
         source.from_tf_keras
+        and not source.holds_loss_scale_state
         and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         and getattr(optimizer, "dynamic", True)
     ):
@@ -187,7 +191,8 @@ def config_changes(source):
             source.model_config
         )
         changes = list(_diff(source.model_config, translated, "model", ()))
-        if source.format == "h5" and source.compile_config:
+        # .h5 files and SavedModels hold the training config apart.
+        if source.format in ("h5", "savedmodel") and source.compile_config:
             translated_compile = config_translation.translate_compile_config(
                 source.compile_config
             )

@@ -3,8 +3,10 @@
 A `.keras` file is a zip archive with a `config.json` (the model, with its
 `compile_config`) and a `metadata.json`; a legacy `.h5` file is HDF5 with
 `model_config` and `training_config` attributes. Both may have been written
-by tf.keras 2 or by Keras 3. Every problem with a file raises
-`ModelFileError` with a message meant for the person who named the file.
+by tf.keras 2 or by Keras 3. A SavedModel directory that tf.keras 2 wrote
+with `model.save(dir)` is read by `saved_model_dirs`. Every problem with a
+file raises `ModelFileError` with a message meant for the person who named
+the file.
 """
 
 import contextlib
@@ -38,7 +40,8 @@ class ModelFile:
 
     Attributes:
         path: The file.
-        format: `"keras"` (a `.keras` zip) or `"h5"` (legacy HDF5).
+        format: `"keras"` (a `.keras` zip), `"h5"` (legacy HDF5) or
+            `"savedmodel"` (a tf.keras 2 SavedModel directory).
         model_config: The model's config, as saved.
         compile_config: The saved compile (or `.h5` training) config, or
             None for a model saved without compiling.
@@ -66,12 +69,23 @@ class ModelFile:
         name = "tf.keras" if self.from_tf_keras else "Keras"
         return f"{name} {self.keras_version}"
 
+    @property
+    def holds_loss_scale_state(self):
+        """True if the file saved a loss scale's current value and counter.
+
+        tf.keras 2's `.h5` and `.keras` files did not; its SavedModel
+        directories did, in their checkpoint.
+        """
+        return self.format == "savedmodel"
+
 
 def read_model_file(path):
     """Reads the configs of a saved model without loading it.
 
     Args:
-        path: A `.keras` or `.h5` (`.hdf5`) file.
+        path: A `.keras` or `.h5` (`.hdf5`) file, or a SavedModel directory
+            that tf.keras 2 wrote (read without TensorFlow; loading it
+            needs TensorFlow).
 
     Returns:
         A `ModelFile`.
@@ -79,14 +93,13 @@ def read_model_file(path):
     Raises:
         ModelFileError: if the file is missing or holds no model.
     """
+    from keras_dtype_policy.tf_keras_compat import saved_model_dirs
+
     path = pathlib.Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
-        raise ModelFileError(
-            f"{path}: is a directory; expected a .keras or .h5 file (Keras 3 "
-            "cannot load a TensorFlow SavedModel directory)"
-        )
+        return saved_model_dirs.read_saved_model_dir(path)
     suffix = path.suffix.lower()
     if suffix in KERAS_SUFFIXES:
         return _read_keras_file(path)
@@ -113,21 +126,29 @@ def load_model(model_file):
         repeats.
 
     Raises:
-        ModelFileError: if Keras cannot load the model.
+        ModelFileError: if Keras cannot load the model (or, for a SavedModel
+            directory, TensorFlow is not installed).
     """
+    if model_file.format == "savedmodel":
+        from keras_dtype_policy.tf_keras_compat import saved_model_dirs
+
+        return saved_model_dirs.load_model(model_file, _load_path)
+    return _load_path(model_file.path)
+
+
+def _load_path(path):
     with _captured_messages() as messages:
         try:
-            model = keras.saving.load_model(model_file.path)
+            model = keras.saving.load_model(path)
         except Exception as error:
             cause = innermost_cause(error)
             raise ModelFileError(
-                f"{model_file.path}: cannot be loaded: "
+                f"{path}: cannot be loaded: "
                 f"{type(cause).__name__}: {_first_line(cause)}"
             ) from error
         if not isinstance(model, keras.Model):
             raise ModelFileError(
-                f"{model_file.path}: holds a {type(model).__name__}, "
-                "not a model"
+                f"{path}: holds a {type(model).__name__}, not a model"
             )
         build_optimizer(model)
     return model, messages

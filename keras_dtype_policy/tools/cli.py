@@ -117,11 +117,17 @@ def _add_inspect(commands):
         "inspect",
         help="show a saved model's layers, policies and loss scaling",
         description="Load a .keras or legacy .h5 model file (tf.keras 2 "
-        "files included) and show every layer's path, class, policy, "
+        "files included), or a SavedModel directory that tf.keras 2 wrote "
+        "(which needs TensorFlow), and show every layer's path, class, "
+        "policy, "
         "compute and variable dtype, parameters and their bytes, and the "
         "optimizer's loss-scale settings and state.",
     )
-    inspect.add_argument("model", metavar="MODEL", help="a .keras or .h5 file")
+    inspect.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a .keras or .h5 file, or a tf.keras 2 SavedModel directory",
+    )
     inspect.add_argument(
         "--json", action="store_true", help="print JSON, for machines"
     )
@@ -133,13 +139,19 @@ def _add_migrate(commands):
     migrate = commands.add_parser(
         "migrate",
         help="rewrite a tf.keras 2 model file as a Keras 3 .keras file",
-        description="Rewrite a model that tf.keras 2 saved (.h5 or .keras) "
-        "as a Keras 3 .keras file with this package's equivalents, weights "
-        "kept, and the optimizer and its state for a compiled model. "
+        description="Rewrite a model that tf.keras 2 saved (.h5, .keras, or "
+        "a SavedModel directory, which needs TensorFlow) as a Keras 3 .keras "
+        "file with this package's equivalents, weights kept, and the "
+        "optimizer and its state for a compiled model (a SavedModel's loss "
+        "scale and its counter too). "
         "Prints every change and any loss scale dropped, and checks that "
         "the new file loads with the same weights.",
     )
-    migrate.add_argument("old", metavar="OLD", help="the .h5 or .keras file")
+    migrate.add_argument(
+        "old",
+        metavar="OLD",
+        help="the .h5 or .keras file, or the SavedModel directory",
+    )
     migrate.add_argument("new", metavar="NEW", help="the .keras file to write")
     migrate.add_argument(
         "--force", action="store_true", help="replace NEW if it exists"

@@ -32,7 +32,8 @@ def build_report(path):
     """Loads a saved model and describes it.
 
     Args:
-        path: A `.keras` or `.h5` file.
+        path: A `.keras` or `.h5` file, or a SavedModel directory that
+            tf.keras 2 wrote (which needs TensorFlow).
 
     Returns:
         A JSON-serializable dict: `file`, `format`, `written_by`, `backend`,
@@ -51,7 +52,12 @@ def build_report(path):
     notes = list(messages)
     optimizer = optimizer_info(model)
     scaling = optimizer and optimizer["loss_scaling"]
-    if scaling and scaling["settings"]["dynamic"] and model_file.from_tf_keras:
+    if (
+        scaling
+        and scaling["settings"]["dynamic"]
+        and model_file.from_tf_keras
+        and not model_file.holds_loss_scale_state
+    ):
         notes.append(
             "tf.keras 2 files hold no loss-scale state: the scale starts "
             "again from initial_scale; the inner optimizer's state is kept"
@@ -252,7 +258,8 @@ def format_optimizer(info):
 
 
 def _format_name(file_format):
-    return ".keras" if file_format == "keras" else "legacy .h5"
+    names = {"keras": ".keras", "savedmodel": "SavedModel directory"}
+    return names.get(file_format, "legacy .h5")
 
 
 def _format_value(value):
