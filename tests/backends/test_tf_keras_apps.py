@@ -48,11 +48,20 @@ CORE = {
     "text_mixed_bfloat16": ".json",
     "text_mixed_float16": ".keras",
 }
+# DenseNet121 and EfficientNetB0 take a minute or two each to run eagerly
+# on jax (each op compiles): all their files are marked slow.
+LARGE = ("densenet121", "efficientnetb0")
+
+
+def is_slow(name, file_name):
+    return name.startswith(LARGE) or file_name != f"{name}{CORE[name]}"
+
+
 CASES = [
     pytest.param(
         name,
         file_name,
-        marks=() if file_name == f"{name}{CORE[name]}" else (pytest.mark.slow,),
+        marks=(pytest.mark.slow,) if is_slow(name, file_name) else (),
     )
     for name, record in sorted(MANIFEST.items())
     for file_name in sorted(record["files"])
