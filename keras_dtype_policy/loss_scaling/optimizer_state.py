@@ -32,9 +32,10 @@ def assign_optimizer_values(optimizer, values):
 
     Values in the optimizer's own layout are assigned in order. Otherwise
     they are read in the layout tf.keras 2 saved for the same optimizer (see
-    `tf_keras_layout`): saved slots that Keras 3 has no place for are
-    dropped, and state that tf.keras did not save is derived from the rest
-    where it can be (see `_derive_unsaved_state`).
+    `tf_keras_layout`), or as the lone iteration count tf.keras saved for
+    an optimizer that had not stepped yet: saved slots that Keras 3 has no
+    place for are dropped, and state that tf.keras did not save is derived
+    from the rest where it can be (see `_derive_unsaved_state`).
 
     Args:
         optimizer: A built `keras.optimizers.Optimizer` (not a wrapper).
@@ -48,6 +49,8 @@ def assign_optimizer_values(optimizer, values):
     values = [np.asarray(v) for v in values]
     if fits(variables, values):
         targets = variables
+    elif _saved_before_build(values):
+        targets = [optimizer.iterations]
     else:
         layout = tf_keras_layout(optimizer)
         if layout is None or not fits(layout, values):
@@ -60,6 +63,16 @@ def assign_optimizer_values(optimizer, values):
     if targets is not variables:
         _derive_unsaved_state(optimizer)
     return True
+
+
+def _saved_before_build(values):
+    """True for what a tf.keras 2 optimizer saved before its first step.
+
+    A compiled tf.keras model that was never trained saves its optimizer's
+    iteration count alone: there are no slots yet, so the optimizer keeps
+    its freshly built ones.
+    """
+    return len(values) == 1 and values[0].shape == ()
 
 
 class _Dropped:

@@ -1,0 +1,100 @@
+"""tf.keras 2 files saved compiled but before the first training step.
+
+tests/fixtures/tf_keras2/optimizers/untrained holds tiny models that
+tf-keras 2.21 compiled (SGD, Adam, Ftrl; bare, and in a dynamic or fixed
+LossScaleOptimizer) and saved without training: its optimizer had no slots
+yet, so the files hold its iteration count alone. They load with the
+optimizer as compiled, its slots freshly built, and train on.
+"""
+
+import json
+import pathlib
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from testing import to_numpy
+
+from keras_dtype_policy import DTypePolicy
+from keras_dtype_policy import LossScaleOptimizer
+
+FIXTURES = (
+    pathlib.Path(__file__).resolve().parents[1]
+    / "fixtures"
+    / "tf_keras2"
+    / "optimizers"
+    / "untrained"
+)
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+@pytest.fixture(scope="module")
+def states():
+    with np.load(FIXTURES / "states.npz") as npz:
+        return dict(npz)
+
+
+def test_the_files_hold_the_iteration_count_alone():
+    for record in MANIFEST["fixtures"].values():
+        assert record["saved_optimizer_values"]["h5"] == ["iteration:0"]
+
+
+def load(path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Skipping variable loading")
+        return keras.saving.load_model(path)
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".keras"])
+@pytest.mark.parametrize("name", sorted(MANIFEST["fixtures"]))
+def test_loads_as_compiled_and_trains(name, suffix, states):
+    record = MANIFEST["fixtures"][name]
+    model = load(FIXTURES / f"{name}{suffix}")
+    optimizer = model.optimizer
+    if record["wrapping"] == "bare":
+        assert not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        inner = optimizer
+    else:
+        assert type(optimizer) is LossScaleOptimizer
+        scale = record["loss_scale_in_memory"]
+        assert optimizer.dynamic is scale["dynamic"]
+        assert optimizer.loss_scale == scale["initial_scale"]
+        inner = optimizer.inner_optimizer
+    assert type(inner).__name__ == record["optimizer"]
+    for argument, value in record["arguments"].items():
+        np.testing.assert_allclose(float(getattr(inner, argument)), value)
+
+    compute_dtype = DTypePolicy(record["policy"]).compute_dtype
+    tolerance = 8 * EPSILON[compute_dtype]
+    np.testing.assert_allclose(
+        to_numpy(model.predict(states[f"{name}.x"], verbose=0)),
+        states[f"{name}.y"],
+        rtol=tolerance,
+        atol=tolerance,
+    )
+
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    assert int(to_numpy(inner.iterations)) == 0
+    fresh = type(inner).from_config(inner.get_config())
+    fresh.build(model.trainable_variables)
+    assert len(fresh.variables) == len(inner.variables)
+    for loaded, built in zip(inner.variables, fresh.variables, strict=True):
+        np.testing.assert_array_equal(
+            to_numpy(loaded), to_numpy(built), err_msg=loaded.name
+        )
+
+    model.fit(
+        states[f"{name}.x_train"],
+        states[f"{name}.y_train"],
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
+    skipped = getattr(optimizer, "skipped_steps", 0)
+    assert int(to_numpy(inner.iterations)) + skipped == 3
+    for variable in [*model.weights, *inner.variables]:
+        assert np.all(np.isfinite(to_numpy(variable)))
