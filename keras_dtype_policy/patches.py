@@ -14,12 +14,16 @@ from keras.src.layers.layer import Layer
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.legacy.saving import saving_utils
 from keras.src.ops.operation import Operation
+from keras.src.optimizers.loss_scale_optimizer import (
+    LossScaleOptimizer as KerasLossScaleOptimizer,
+)
 from keras.src.saving import saving_lib
 from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bfloat16_weights
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
@@ -95,6 +99,12 @@ PATCHES = (
         "load_model_from_hdf5",
         optimizer_state.make_h5_model_loader,
         "Keep .h5 optimizer state past the loader's empty placeholder build.",
+    ),
+    Patch(
+        KerasLossScaleOptimizer,
+        "from_config",
+        tf_keras_configs.make_keras_from_config,
+        "Read tf.keras' LossScaleOptimizer configs in keras.optimizers.get.",
     ),
     Patch(
         Layer,

@@ -1,8 +1,10 @@
-"""TensorFlow 2.3's `LossScaleOptimizer` config, in today's layout.
+"""tf.keras' `LossScaleOptimizer` configs, in today's layout.
 
 TensorFlow 2.3 (and tf.keras' `LossScaleOptimizerV1`) saved a loss-scale
 optimizer as `{"optimizer": ..., "loss_scale": ...}`, the loss scale being a
-serialized `FixedLossScale` or `DynamicLossScale`.
+serialized `FixedLossScale` or `DynamicLossScale`. tf.keras 2.4 and later
+saved `inner_optimizer`, `dynamic`, `initial_scale` and
+`dynamic_growth_steps`; Keras 3's own `LossScaleOptimizer` has no `dynamic`.
 """
 
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
@@ -66,3 +68,34 @@ def from_tf_2_3(config):
     config["inner_optimizer"] = config.pop("optimizer", None)
     config.update(scale_settings(loss_scale))
     return config
+
+
+def is_tf_keras_config(config):
+    """Returns True for a config only tf.keras' loss-scale optimizer wrote."""
+    return is_tf_2_3_config(config) or (
+        isinstance(config, dict) and "dynamic" in config
+    )
+
+
+def make_keras_from_config(original):
+    """Returns Keras' `LossScaleOptimizer.from_config`, reading tf.keras'.
+
+    `keras.optimizers.deserialize` finds Keras' own class for the name
+    "LossScaleOptimizer", which tf.keras wrote too. A config in one of
+    tf.keras' layouts (which may hold a fixed scale, which Keras' class
+    cannot) builds this package's `LossScaleOptimizer` instead; Keras' own
+    configs go to Keras as before.
+    """
+    keras_from_config = original.__func__
+
+    def from_config(cls, config, custom_objects=None):
+        if is_tf_keras_config(config):
+            from keras_dtype_policy.loss_scaling.optimizer import (
+                LossScaleOptimizer,
+            )
+
+            if issubclass(LossScaleOptimizer, cls):
+                return LossScaleOptimizer.from_config(config, custom_objects)
+        return keras_from_config(cls, config, custom_objects)
+
+    return classmethod(from_config)

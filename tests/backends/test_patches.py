@@ -1,6 +1,7 @@
 """The Keras patches: where they sit, install(), uninstall()."""
 
 import inspect
+import pathlib
 
 import keras
 import numpy as np
@@ -73,6 +74,8 @@ EXPECTED_PARAMETERS = {
         "skip_mismatch",
     ],
     "keras.src.saving.saving_lib.H5IOStore.__getitem__": ["self", "key"],
+    "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"
+    ".from_config": ["cls", "config", "custom_objects"],
 }
 TARGETS = set(EXPECTED_PARAMETERS)
 
@@ -83,6 +86,18 @@ def test_keras_still_defines_what_the_patches_replace(target):
     function = getattr(original, "__func__", original)
     parameters = list(inspect.signature(function).parameters)
     assert parameters == EXPECTED_PARAMETERS[target]
+
+
+def test_the_docs_list_every_patch():
+    page = (
+        pathlib.Path(__file__).resolve().parents[2]
+        / "docs"
+        / "how-it-touches-keras.md"
+    ).read_text()
+    for patch in patches.PATCHES:
+        short_name = ".".join(patch.target.split(".")[-2:])
+        assert f"| `{short_name}` |" in page, patch.target
+    assert f"{len(patches.PATCHES)} Keras internals are patched" in page
 
 
 def test_model_compile_is_the_trainers():

@@ -320,8 +320,16 @@ TF_2_3_CONFIG = {
         lambda config: keras.optimizers.deserialize(
             {"class_name": "LossScaleOptimizerV1", "config": config}
         ),
+        # TensorFlow 2.3 wrote "LossScaleOptimizer", the name of Keras' own
+        # class, which cannot hold a fixed scale.
+        lambda config: keras.optimizers.deserialize(
+            {"class_name": "LossScaleOptimizer", "config": config}
+        ),
+        lambda config: keras.optimizers.get(
+            {"class_name": "LossScaleOptimizer", "config": config}
+        ),
     ],
-    ids=["from_config", "keras_deserialize"],
+    ids=["from_config", "keras_deserialize_v1", "keras_deserialize", "get"],
 )
 def test_reads_tf_2_3_configs(read):
     optimizer = read(TF_2_3_CONFIG)
@@ -339,3 +347,30 @@ def test_reads_tf_2_3_configs(read):
         }
     )
     assert (fixed.dynamic, fixed.loss_scale) == (False, 2.0)
+
+
+def test_keras_deserialize_reads_tf_keras_2_4_configs():
+    # tf.keras 2.4 to 2.21 wrote `dynamic`, which Keras' own class lacks.
+    config = {
+        "inner_optimizer": {"class_name": "SGD", "config": {"name": "SGD"}},
+        "dynamic": False,
+        "initial_scale": 128.0,
+        "dynamic_growth_steps": None,
+    }
+    optimizer = keras.optimizers.deserialize(
+        {"class_name": "LossScaleOptimizer", "config": config}
+    )
+    assert type(optimizer) is kdp.LossScaleOptimizer
+    assert (optimizer.dynamic, optimizer.loss_scale) == (False, 128.0)
+    assert optimizer.dynamic_counter is None
+
+
+def test_keras_own_configs_still_build_keras_own_class():
+    keras_optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=16.0
+    )
+    revived = keras.optimizers.deserialize(
+        keras.optimizers.serialize(keras_optimizer)
+    )
+    assert type(revived) is keras.optimizers.LossScaleOptimizer
+    assert revived.initial_scale == 16.0
