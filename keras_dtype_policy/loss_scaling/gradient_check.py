@@ -7,12 +7,21 @@ the cheapest correct form each backend offers:
   of `torch.amp.GradScaler`: one pass over the gradients checks and
   unscales them in place. Where it is missing or refuses the tensors, the
   portable path below.
-- TensorFlow: the gradients flattened into one vector and checked by one
-  `is_finite` and one reduction, inside `tf.function` and on each
-  `tf.distribute` replica alike; the unscale is one divide a tensor.
-- JAX (and the portable path): one reduction over all gradients, which XLA
-  fuses into a single kernel under `jit`; the unscale is left to the caller
-  to do where XLA fuses it into the optimizer's update.
+- TensorFlow: one `L2Loss` a float32 gradient (a reduction that reads the
+  tensor once and allocates nothing), summed: a finite sum proves every
+  gradient finite. Only when the sum is not finite (a NaN or Inf, or
+  squares too large for float32) does an exact check per tensor decide,
+  so a large but finite gradient is never taken for an overflow. The same
+  inside `tf.function` and on each `tf.distribute` replica; the unscale is
+  one divide a tensor.
+- JAX (and the portable path): one `all(isfinite)` reduction a gradient,
+  each fused by XLA into a single read of the tensor under `jit` with no
+  intermediate array; the unscale is left to the caller to do where XLA
+  fuses it into the optimizer's update.
+
+No path copies the gradients for the check: flattening them into one
+vector first costs a copy of every gradient, which measured as a higher
+peak memory than Keras' own wrapper on TensorFlow and JAX.
 
 A gradient that is None is left out. A gradient of a variable that is
 overwritten with its gradient (`overwrite_with_gradient`) is checked but
@@ -120,27 +129,37 @@ def _unscaled(gradient, scale):
 
 
 def _portable_all_finite(tensors):
-    # One reduction over every gradient: XLA fuses the concatenation into
-    # the reduction's input, so no flat copy is made under jit.
-    flat = [
-        ops.reshape(ops.cast(t, "float32"), (-1,))
-        if t.dtype != "float32"
-        else ops.reshape(t, (-1,))
-        for t in tensors
-    ]
-    joined = flat[0] if len(flat) == 1 else ops.concatenate(flat, axis=0)
-    return ops.all(ops.isfinite(joined))
+    # One reduction a tensor, which XLA fuses with its `isfinite`.
+    verdicts = [ops.all(ops.isfinite(t)) for t in tensors]
+    if len(verdicts) == 1:
+        return verdicts[0]
+    return ops.all(ops.stack(verdicts))
 
 
 def _tf_all_finite(tensors):
     import tensorflow as tf
 
-    flat = [
-        tf.reshape(t if t.dtype == tf.float32 else tf.cast(t, tf.float32), [-1])
-        for t in tensors
-    ]
-    joined = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
-    return tf.reduce_all(tf.math.is_finite(joined))
+    wide = [t for t in tensors if t.dtype in (tf.float32, tf.float64)]
+    narrow = [t for t in tensors if t.dtype not in (tf.float32, tf.float64)]
+    verdicts = [_tf_each_finite(narrow)] if narrow else []
+    if wide:
+        squares = tf.add_n(
+            [tf.cast(tf.nn.l2_loss(t), tf.float32) for t in wide]
+        )
+        verdicts.append(
+            tf.cond(
+                tf.math.is_finite(squares),
+                lambda: tf.constant(True),
+                lambda: _tf_each_finite(wide),
+            )
+        )
+    return verdicts[0] if len(verdicts) == 1 else tf.reduce_all(verdicts)
+
+
+def _tf_each_finite(tensors):
+    import tensorflow as tf
+
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
 def _torch_all_finite(tensors):

@@ -1,9 +1,9 @@
 """The fused finite check and unscale of loss-scaled gradients.
 
 Each backend's path (`gradient_check`): PyTorch's fused AMP kernel (in
-place), TensorFlow's single `is_finite` over the flattened gradients (eager,
-in `tf.function`, with `tf.IndexedSlices`), JAX's single reduction (eager
-and under `jit`).
+place), TensorFlow's summed `L2Loss` with its exact fallback (eager, in
+`tf.function`, with `tf.IndexedSlices`), JAX's reductions (eager and under
+`jit`).
 """
 
 import keras
@@ -65,10 +65,21 @@ def test_all_finite_skips_none_and_is_true_for_no_gradients():
     assert not bool(to_numpy(gradient_check.all_finite(grads)))
 
 
-def test_a_sum_that_overflows_is_still_finite():
-    # Large finite values: a check by sum or norm would see an Inf.
-    big = np.full((4,), 3e38, "float32")
-    assert bool(to_numpy(gradient_check.all_finite([big, big])))
+@pytest.mark.parametrize("trace", [False, True], ids=["eager", "traced"])
+def test_a_sum_of_squares_that_overflows_is_still_finite(trace):
+    # Large finite values: their squares overflow float32, which sends the
+    # TensorFlow path to its exact check; a check by norm alone would see
+    # an Inf here.
+    check = (
+        compiled(gradient_check.all_finite)
+        if trace
+        else (gradient_check.all_finite)
+    )
+    big = keras.ops.convert_to_tensor(np.full((4,), 3e38, "float32"))
+    small = keras.ops.ones((3,))
+    assert bool(to_numpy(check([big, small, big])))
+    bad = keras.ops.convert_to_tensor(np.array([3e38, np.nan], "float32"))
+    assert not bool(to_numpy(check([big, bad])))
 
 
 def test_unscale_divides_as_keras_does_and_keeps_what_it_is_told():
@@ -145,7 +156,7 @@ def test_torch_without_the_fused_kernel_gives_the_same_result(monkeypatch):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a TensorFlow graph")
-def test_tensorflow_checks_all_gradients_with_one_is_finite():
+def test_tensorflow_reads_each_gradient_once_and_copies_none():
     import tensorflow as tf
 
     grads = [tf.ones((3, i + 1)) for i in range(20)]
@@ -153,8 +164,22 @@ def test_tensorflow_checks_all_gradients_with_one_is_finite():
         tf.function(gradient_check.all_finite).get_concrete_function(grads)
     ).graph
     kinds = [op.type for op in graph.get_operations()]
+    # One allocation-free reduction a gradient, one test of their sum; the
+    # exact check per tensor sits in a branch taken only when it fails.
+    assert kinds.count("L2Loss") == 20
     assert kinds.count("IsFinite") == 1
-    assert kinds.count("All") == 1
+    assert "ConcatV2" not in kinds
+    assert any(kind in ("If", "StatelessIf") for kind in kinds)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a JAX program")
+def test_jax_check_copies_no_gradient():
+    import jax
+
+    grads = [jax.numpy.ones((3, i + 1)) for i in range(20)]
+    program = str(jax.make_jaxpr(gradient_check.all_finite)(grads))
+    assert "concatenate" not in program
+    assert program.count("is_finite") == 20
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices")
