@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import pytest
 from testing import to_numpy
+from testing import train_on_fixture_data
 
 from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import LossScaleOptimizer
@@ -168,20 +169,7 @@ def assert_first_fit_works(name, suffix, states):
         rtol=tolerance,
         atol=tolerance,
     )
-    optimizer = model.optimizer
-    inner = inner_of(optimizer)
-    model.fit(
-        states[f"{name}.x_train"],
-        states[f"{name}.y_train"],
-        batch_size=4,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-    )
-    skipped = getattr(optimizer, "skipped_steps", 0)
-    assert int(to_numpy(inner.iterations)) + skipped == 6
-    for variable in [*model.weights, *inner.variables]:
-        assert np.all(np.isfinite(to_numpy(variable)))
+    assert train_on_fixture_data(model, states, name) == 6
 
 
 # The first fit after loading runs on one format per wrapping: each optimizer

@@ -205,3 +205,23 @@ def cli_error_line(result, status=1):
     assert len(ours) == 1, result.stderr
     assert ours[0].startswith(CLI_ERROR)
     return ours[0]
+
+
+def train_on_fixture_data(model, states, name):
+    """Trains one in-order epoch (batch 4) on a fixture's saved training
+    data; returns the steps the optimizer took, applied or skipped, after
+    checking that every weight and optimizer value stayed finite."""
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    model.fit(
+        states[f"{name}.x_train"],
+        states[f"{name}.y_train"],
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
+    for variable in [*model.weights, *inner.variables]:
+        assert np.all(np.isfinite(to_numpy(variable))), variable.name
+    skipped = getattr(optimizer, "skipped_steps", 0)
+    return int(to_numpy(inner.iterations)) + skipped
