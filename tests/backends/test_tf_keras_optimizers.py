@@ -19,10 +19,10 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from testing import assert_fixture_predictions
 from testing import to_numpy
 from testing import train_on_fixture_data
 
-from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import LossScaleOptimizer
 
 FIXTURES = (
@@ -33,7 +33,6 @@ FIXTURES = (
 )
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 FIXTURE_NAMES = sorted(MANIFEST["fixtures"])
-EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 # tf.keras 2 slot names, and the Keras 3 names of the same slots.
 KERAS_3_SLOT = {
@@ -161,14 +160,7 @@ def assert_first_fit_works(name, suffix, states):
     """Loads one file, checks its predictions, then trains three steps."""
     record = MANIFEST["fixtures"][name]
     model = load(name, suffix)
-    compute_dtype = DTypePolicy(record["policy"]).compute_dtype
-    tolerance = 8 * EPSILON[compute_dtype]
-    np.testing.assert_allclose(
-        to_numpy(model.predict(states[f"{name}.x"], verbose=0)),
-        states[f"{name}.y"],
-        rtol=tolerance,
-        atol=tolerance,
-    )
+    assert_fixture_predictions(model, states, name, record["policy"])
     assert train_on_fixture_data(model, states, name) == 6
 
 

@@ -14,10 +14,10 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from testing import assert_fixture_predictions
 from testing import to_numpy
 from testing import train_on_fixture_data
 
-from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import LossScaleOptimizer
 
 FIXTURES = (
@@ -28,7 +28,6 @@ FIXTURES = (
     / "untrained"
 )
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
-EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +66,7 @@ def test_loads_as_compiled_and_trains(name, suffix, states):
     for argument, value in record["arguments"].items():
         np.testing.assert_allclose(float(getattr(inner, argument)), value)
 
-    compute_dtype = DTypePolicy(record["policy"]).compute_dtype
-    tolerance = 8 * EPSILON[compute_dtype]
-    np.testing.assert_allclose(
-        to_numpy(model.predict(states[f"{name}.x"], verbose=0)),
-        states[f"{name}.y"],
-        rtol=tolerance,
-        atol=tolerance,
-    )
+    assert_fixture_predictions(model, states, name, record["policy"])
 
     if not optimizer.built:
         optimizer.build(model.trainable_variables)

@@ -225,3 +225,17 @@ def train_on_fixture_data(model, states, name):
         assert np.all(np.isfinite(to_numpy(variable))), variable.name
     skipped = getattr(optimizer, "skipped_steps", 0)
     return int(to_numpy(inner.iterations)) + skipped
+
+
+def assert_fixture_predictions(model, states, name, policy, ulps=8):
+    """Checks `model`'s predictions on a fixture's saved batch against
+    those saved, within `ulps` units in the last place of `policy`'s
+    compute dtype."""
+    epsilon = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+    tolerance = ulps * epsilon[keras.DTypePolicy(policy).compute_dtype]
+    np.testing.assert_allclose(
+        to_numpy(model.predict(states[f"{name}.x"], verbose=0)),
+        states[f"{name}.y"],
+        rtol=tolerance,
+        atol=tolerance,
+    )
