@@ -141,7 +141,7 @@ def _tf_all_finite(tensors):
 
     wide = [t for t in tensors if t.dtype in (tf.float32, tf.float64)]
     narrow = [t for t in tensors if t.dtype not in (tf.float32, tf.float64)]
-    verdicts = [_tf_each_finite(narrow)] if narrow else []
+    verdicts = [_portable_all_finite(narrow)] if narrow else []
     if wide:
         squares = tf.add_n(
             [tf.cast(tf.nn.l2_loss(t), tf.float32) for t in wide]
@@ -150,16 +150,10 @@ def _tf_all_finite(tensors):
             tf.cond(
                 tf.math.is_finite(squares),
                 lambda: tf.constant(True),
-                lambda: _tf_each_finite(wide),
+                lambda: _portable_all_finite(wide),
             )
         )
     return verdicts[0] if len(verdicts) == 1 else tf.reduce_all(verdicts)
-
-
-def _tf_each_finite(tensors):
-    import tensorflow as tf
-
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
 def _torch_all_finite(tensors):
