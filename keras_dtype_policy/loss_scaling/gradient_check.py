@@ -12,16 +12,22 @@ the cheapest correct form each backend offers:
   gradient finite. Only when the sum is not finite (a NaN or Inf, or
   squares too large for float32) does an exact check per tensor decide,
   so a large but finite gradient is never taken for an overflow. The same
-  inside `tf.function` and on each `tf.distribute` replica; the unscale is
-  one divide a tensor.
-- JAX (and the portable path): one `all(isfinite)` reduction a gradient,
-  each fused by XLA into a single read of the tensor under `jit` with no
-  intermediate array; the unscale is left to the caller to do where XLA
-  fuses it into the optimizer's update.
+  inside `tf.function` and on each `tf.distribute` replica.
+- JAX: XLA runs each reduction as a kernel of its own, whose fixed cost
+  (a few microseconds on a CPU) dwarfs the read of a small gradient. So the
+  small gradients of one dtype are joined into buckets of at most
+  `BUCKET_ELEMENTS` values, one `all(isfinite)` a bucket, and each larger
+  gradient gets its own. The extra memory is one bucket at most; no large
+  gradient is ever copied.
+- The portable path (and PyTorch's fallback): one `all(isfinite)` a
+  gradient.
 
-No path copies the gradients for the check: flattening them into one
-vector first costs a copy of every gradient, which measured as a higher
-peak memory than Keras' own wrapper on TensorFlow and JAX.
+The unscale is a multiply by the reciprocal of the scale, as in tf.keras
+2 and PyTorch's kernel: XLA fuses a multiply into the optimizer's update,
+where a divide (a costly op to XLA) stays a kernel of its own per gradient.
+For the dynamic scale, a power of two, the product equals the quotient
+exactly; for a fixed scale that is not one, it differs by at most one
+rounding.
 
 A gradient that is None is left out. A gradient of a variable that is
 overwritten with its gradient (`overwrite_with_gradient`) is checked but
@@ -31,8 +37,16 @@ their values.
 Backends are imported inside the functions, once Keras runs on them.
 """
 
+import math
+
 import keras
 from keras import ops
+
+# The most values the JAX check joins into one bucket (256 KiB of float32):
+# large enough that reading a bucket outweighs its kernel's fixed cost,
+# small enough that XLA finds room for it among the step's buffers (the
+# compiled step's temporary memory stays that of Keras' own wrapper).
+BUCKET_ELEMENTS = 1 << 16
 
 
 def all_finite(grads):
@@ -52,6 +66,8 @@ def all_finite(grads):
         return _tf_all_finite(tensors)
     if backend == "torch":
         return _torch_all_finite(tensors)
+    if backend == "jax":
+        return _bucketed_all_finite(tensors)
     return _portable_all_finite(tensors)
 
 
@@ -68,8 +84,9 @@ def unscale(grads, scale, keep=None):
         A new list of gradients.
     """
     keep = keep or [False] * len(grads)
+    inverse = ops.divide(1.0, ops.cast(_value(scale), "float32"))
     return [
-        g if g is None or kept else _unscaled(g, scale)
+        g if g is None or kept else _unscaled(g, inverse)
         for g, kept in zip(grads, keep, strict=True)
     ]
 
@@ -114,18 +131,23 @@ def _is_indexed_slices(gradient):
     return hasattr(gradient, "indices") and hasattr(gradient, "dense_shape")
 
 
-def _unscaled(gradient, scale):
-    # As Keras' divide by the float32 scale: a float16 or bfloat16 gradient
-    # comes back as float32.
+def _value(scale):
+    # A Keras variable's tensor (its value), or the tensor itself.
+    return getattr(scale, "value", scale)
+
+
+def _unscaled(gradient, inverse):
+    # Times the float32 reciprocal of the scale: as Keras' divide by the
+    # float32 scale, a float16 or bfloat16 gradient comes back as float32.
     if _is_indexed_slices(gradient):
         import tensorflow as tf
 
         return tf.IndexedSlices(
-            _unscaled(gradient.values, scale),
+            _unscaled(gradient.values, inverse),
             gradient.indices,
             gradient.dense_shape,
         )
-    return ops.divide(gradient, scale)
+    return ops.multiply(gradient, inverse)
 
 
 def _portable_all_finite(tensors):
@@ -134,6 +156,35 @@ def _portable_all_finite(tensors):
     if len(verdicts) == 1:
         return verdicts[0]
     return ops.all(ops.stack(verdicts))
+
+
+def _bucketed_all_finite(tensors):
+    # Few reductions under XLA: small tensors of one dtype share a bucket.
+    verdicts = []
+    buckets = {}
+    for tensor in tensors:
+        size = math.prod(tensor.shape)
+        if size >= BUCKET_ELEMENTS:
+            verdicts.append(ops.all(ops.isfinite(tensor)))
+            continue
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        bucket, filled = buckets.get(dtype, ([], 0))
+        if filled + size > BUCKET_ELEMENTS:
+            verdicts.append(_flat_all_finite(bucket))
+            bucket, filled = [], 0
+        buckets[dtype] = (bucket + [tensor], filled + size)
+    verdicts.extend(_flat_all_finite(b) for b, _ in buckets.values())
+    if len(verdicts) == 1:
+        return verdicts[0]
+    return ops.all(ops.stack(verdicts))
+
+
+def _flat_all_finite(tensors):
+    # One `all(isfinite)` over the tensors joined end to end.
+    if len(tensors) == 1:
+        return ops.all(ops.isfinite(tensors[0]))
+    flat = ops.concatenate([ops.reshape(t, (-1,)) for t in tensors])
+    return ops.all(ops.isfinite(flat))
 
 
 def _tf_all_finite(tensors):
@@ -180,7 +231,7 @@ def _torch_check_and_unscale(grads, scale, keep):
     import torch
 
     kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
-    scale = torch.as_tensor(getattr(scale, "value", scale))
+    scale = torch.as_tensor(_value(scale))
     if kernel is None or scale.device.type not in _TORCH_DEVICES:
         return None
     fused = []

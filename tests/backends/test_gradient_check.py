@@ -2,8 +2,8 @@
 
 Each backend's path (`gradient_check`): PyTorch's fused AMP kernel (in
 place), TensorFlow's summed `L2Loss` with its exact fallback (eager, in
-`tf.function`, with `tf.IndexedSlices`), JAX's reductions (eager and under
-`jit`).
+`tf.function`, with `tf.IndexedSlices`), JAX's bucketed reductions (eager
+and under `jit`; the bucketing itself is checked on every backend).
 """
 
 import keras
@@ -82,7 +82,7 @@ def test_a_sum_of_squares_that_overflows_is_still_finite(trace):
     assert not bool(to_numpy(check([big, bad])))
 
 
-def test_unscale_divides_as_keras_does_and_keeps_what_it_is_told():
+def test_unscale_matches_keras_divide_and_keeps_what_it_is_told():
     grads = [None, *gradients()]
     keep = [False, False, True, False]
     scale = keras.Variable(SCALE)
@@ -172,14 +172,99 @@ def test_tensorflow_reads_each_gradient_once_and_copies_none():
     assert any(kind in ("If", "StatelessIf") for kind in kinds)
 
 
+def test_a_fixed_scale_that_is_no_power_of_two_unscales_within_a_rounding():
+    # The unscale multiplies by the reciprocal (as tf.keras 2 and PyTorch
+    # do); Keras divides. For a power of two the two agree exactly (above);
+    # for any other scale they differ by at most one rounding.
+    values = np.random.default_rng(0).normal(size=(64,)).astype("float32")
+    grads = [keras.ops.convert_to_tensor(values * 1000.0)]
+    (got,) = gradient_check.unscale(grads, keras.Variable(1000.0))
+    want = keras.ops.divide(grads[0], 1000.0)
+    np.testing.assert_allclose(
+        to_numpy(got), to_numpy(want), rtol=2.0**-23, atol=0
+    )
+
+
+@pytest.mark.parametrize("bucket", [1, 5, 12, 1000])
+@pytest.mark.parametrize("trace", [False, True], ids=["eager", "traced"])
+def test_the_bucketed_check_sees_a_bad_value_wherever_it_sits(
+    bucket, trace, monkeypatch
+):
+    # Sizes 1 to 8 in two dtypes, so that buckets fill, overflow and hold
+    # several dtypes; every position of every gradient is tried.
+    monkeypatch.setattr(gradient_check, "BUCKET_ELEMENTS", bucket)
+    sizes = [3, 8, 1, 5, 2, 7, 4, 6]
+    dtypes = ["float32", "float16"] * 4
+    check = gradient_check._bucketed_all_finite
+    if trace:
+        check = compiled(check)
+
+    def tensors(bad_at=None, position=0):
+        out = []
+        for i, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+            values = np.ones((size,), "float32")
+            if i == bad_at:
+                values[position] = np.inf if i % 2 else np.nan
+            out.append(keras.ops.convert_to_tensor(values, dtype=dtype))
+        return out
+
+    assert bool(to_numpy(check(tensors())))
+    for index, size in enumerate(sizes):
+        for position in range(size):
+            assert not bool(to_numpy(check(tensors(index, position)))), (
+                index,
+                position,
+            )
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="a JAX program")
-def test_jax_check_copies_no_gradient():
+def test_jax_joins_small_gradients_into_one_reduction_a_bucket():
     import jax
 
-    grads = [jax.numpy.ones((3, i + 1)) for i in range(20)]
-    program = str(jax.make_jaxpr(gradient_check.all_finite)(grads))
-    assert "concatenate" not in program
-    assert program.count("is_finite") == 20
+    # 194 small tensors, as the 48 blocks of benchmark 6 have (206,474
+    # values): four reductions, not 194.
+    grads = [
+        jax.numpy.ones((64, 64) if i % 4 == 0 else (64,)) for i in range(192)
+    ]
+    grads += [jax.numpy.ones((64, 10)), jax.numpy.ones((10,))]
+    program = jax.make_jaxpr(gradient_check.all_finite)(grads)
+    kinds = [e.primitive.name for e in program.eqns]
+    assert kinds.count("is_finite") == 4
+    assert kinds.count("concatenate") == 4
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a JAX program")
+def test_jax_copies_at_most_a_bucket_and_never_a_large_gradient():
+    import jax
+
+    limit = gradient_check.BUCKET_ELEMENTS
+    large = jax.numpy.ones((limit // 256, 256))
+    third = limit // 3 + 1
+    grads = [
+        large,
+        *(jax.numpy.ones((third,)) for _ in range(7)),
+        jax.numpy.ones((10,), "float16"),
+        large,
+    ]
+    program = jax.make_jaxpr(gradient_check.all_finite)(grads)
+    joined = [e for e in program.eqns if e.primitive.name == "concatenate"]
+    # 7 float32 gradients of a bucket's third and more make four buckets
+    # (2 + 2 + 2 + 1 tensors), the lone float16 one needs none; the large
+    # gradients are read where they lie.
+    assert [e.outvars[0].aval.size for e in joined] == [2 * third] * 3
+    assert all(e.outvars[0].aval.size <= limit for e in joined)
+    assert all(
+        v.aval.size < limit
+        for e in joined
+        for v in e.invars
+        if hasattr(v, "aval")
+    )
+    kinds = [e.primitive.name for e in program.eqns]
+    assert kinds.count("is_finite") == 2 + 4 + 1
+    bad = list(grads)
+    bad[-1] = large.at[3, 4].set(jax.numpy.nan)
+    assert not bool(jax.jit(gradient_check.all_finite)(bad))
+    assert bool(jax.jit(gradient_check.all_finite)(grads))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices")

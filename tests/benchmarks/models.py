@@ -134,12 +134,13 @@ def build_convnet(arm, policy_name, image, filters, classes=10):
         return keras.Sequential(layers, name=f"convnet_{arm}_{policy_name}")
 
 
-def compile_model(model, optimizer):
-    """Compiles `model` for classification with `optimizer`, Keras' default
-    compilation (`jit_compile="auto"`)."""
+def compile_model(model, optimizer, jit_compile="auto"):
+    """Compiles `model` for classification with `optimizer`, by default
+    as Keras compiles (`jit_compile="auto"`)."""
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
     )
     return model
 

@@ -326,11 +326,18 @@ def audit_section(results):
 
 
 def _scaling_cost_section(results):
+    lines = ["### 6. What loss scaling costs a step", ""]
+    lines += _scaling_cost_table(results)
+    if "xla" in results:
+        lines += ["Compiled with XLA:", ""]
+        lines += _scaling_cost_table(results["xla"])
+    return lines
+
+
+def _scaling_cost_table(results):
     setup = results["setup"]
     jit = setup["models"]["bare"]["jit_compile"]
     lines = [
-        "### 6. What loss scaling costs a step",
-        "",
         f"{setup['model']} ({setup['weight_tensors']} weight tensors) under "
         f"Keras' own {setup['policy']} policy, batch {setup['batch_size']}, "
         "Adam bare and in each loss-scale optimizer; "

@@ -11,6 +11,14 @@ bfloat16 rather than float16: a CPU without float16 units takes about half
 a second for a float16 step of this model, which hides any overhead. On a
 GPU, float16 is what loss scaling is for: `policy_for` picks it there.
 
+The models compile as Keras compiles by default (`jit_compile="auto"`: XLA
+on JAX, none on PyTorch, none on TensorFlow without a GPU). On TensorFlow
+the three also run a second time compiled with XLA (`jit_compile=True`):
+without XLA, TensorFlow's graph executor overlaps each weight's update with
+the rest of the backward pass, which no wrapper that may skip a step can
+do (the update must wait for the verdict on every gradient), so the two
+rows show that cost apart from the cost of the check.
+
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
 
@@ -33,7 +41,7 @@ def policy_for(device):
     return "mixed_float16" if "gpu" in device.lower() else "mixed_bfloat16"
 
 
-def build(sizes, policy):
+def build(sizes, policy, jit_compile="auto"):
     """Returns `{arm: compiled model}`: same weights, own optimizer."""
     built = {}
     for arm in ARMS:
@@ -43,7 +51,7 @@ def build(sizes, policy):
         optimizer = keras.optimizers.Adam(1e-3)
         if arm != BARE:
             optimizer = models.wrap_optimizer(arm, optimizer)
-        models.compile_model(model, optimizer)
+        models.compile_model(model, optimizer, jit_compile=jit_compile)
         built[arm] = model
     for arm in (KERAS, PLUGIN):
         built[arm].set_weights(built[BARE].get_weights())
@@ -58,10 +66,19 @@ def run(sizes):
 
     Returns:
         A dict with the `setup`, each arm's step times, each wrapper's cost
-        over the bare optimizer and the plugin's over Keras'.
+        over the bare optimizer and the plugin's over Keras'; on
+        TensorFlow, under `"xla"`, the same with `jit_compile=True`.
     """
+    results = run_compiled(sizes, jit_compile="auto")
+    if keras.backend.backend() == "tensorflow":
+        results["xla"] = run_compiled(sizes, jit_compile=True)
+    return results
+
+
+def run_compiled(sizes, jit_compile):
+    """Runs the benchmark with the models compiled with `jit_compile`."""
     policy = policy_for(backend_support.device())
-    compiled = build(sizes, policy)
+    compiled = build(sizes, policy, jit_compile)
     x, y = models.classification_data(
         (sizes.deep_units,),
         training.samples_needed(sizes.max_steps, sizes.deep_batch),
