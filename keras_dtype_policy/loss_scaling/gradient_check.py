@@ -132,8 +132,9 @@ def _is_indexed_slices(gradient):
 
 
 def _value(scale):
-    # A Keras variable's tensor (its value), or the tensor itself.
-    return getattr(scale, "value", scale)
+    # A Keras variable's tensor, or the tensor itself (a `tf.Variable`'s
+    # `value` is a method, not a tensor).
+    return scale.value if isinstance(scale, keras.Variable) else scale
 
 
 def _unscaled(gradient, inverse):
