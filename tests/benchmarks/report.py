@@ -349,11 +349,17 @@ def _scaling_cost_table(results):
         "|---|---|---|---|---|",
         f"| bare Adam | {_time(results['bare'], 1e3)} | | | |",
     ]
-    for arm, label in ((KERAS, "Keras' wrapper"), (PLUGIN, "plugin")):
-        lines.append(
-            f"| {label} | {_time(results[arm], 1e3)} "
-            f"| {_comparison(results['cost'][arm])} |"
-        )
+    labels = {
+        KERAS: "Keras' wrapper",
+        PLUGIN: "plugin",
+        "never_skips": "plugin checking, never skipping (diagnostic)",
+    }
+    for arm, label in labels.items():
+        if arm in results["cost"]:
+            lines.append(
+                f"| {label} | {_time(results[arm], 1e3)} "
+                f"| {_comparison(results['cost'][arm])} |"
+            )
     versus = results["plugin_over_keras"]
     lines += [
         "",

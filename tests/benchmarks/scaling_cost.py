@@ -16,14 +16,18 @@ on JAX, none on PyTorch, none on TensorFlow without a GPU). On TensorFlow
 the three also run a second time compiled with XLA (`jit_compile=True`):
 without XLA, TensorFlow's graph executor overlaps each weight's update with
 the rest of the backward pass, which no wrapper that may skip a step can
-do (the update must wait for the verdict on every gradient), so the two
-rows show that cost apart from the cost of the check.
+do (the update must wait for the verdict on every gradient). There a
+fourth arm, `NeverSkippingLossScaleOptimizer`, checks every gradient and
+applies every step: a diagnostic that puts the cost of the check apart
+from the cost of waiting for it.
 
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
 
 import keras
+from keras import ops
 
+import keras_dtype_policy as kdp
 from tests.benchmarks import backend_support
 from tests.benchmarks import models
 from tests.benchmarks import stats
@@ -33,7 +37,22 @@ from tests.benchmarks.sizes import PLUGIN
 from tests.benchmarks.sizes import TARGETS
 
 BARE = "bare"
+NEVER_SKIPS = "never_skips"
 ARMS = (BARE, KERAS, PLUGIN)
+
+
+class NeverSkippingLossScaleOptimizer(kdp.LossScaleOptimizer):
+    """A diagnostic, not a safe optimizer: checks, then applies every step.
+
+    The verdict only counts the steps it would have skipped, which keeps
+    the check in the graph while no update waits for it.
+    """
+
+    def _common_apply(self, grads, trainable_variables=None, finite=None):
+        finite = self.check_finite(grads)
+        self._stateful_handle_finite_grads(grads, trainable_variables)
+        counter = self.skipped_step_counter
+        counter.assign_add(ops.cast(ops.logical_not(finite), counter.dtype))
 
 
 def policy_for(device):
@@ -41,19 +60,21 @@ def policy_for(device):
     return "mixed_float16" if "gpu" in device.lower() else "mixed_bfloat16"
 
 
-def build(sizes, policy, jit_compile="auto"):
+def build(sizes, policy, jit_compile="auto", arms=ARMS):
     """Returns `{arm: compiled model}`: same weights, own optimizer."""
     built = {}
-    for arm in ARMS:
+    for arm in arms:
         model = models.build_deep(
             KERAS, policy, sizes.deep_units, sizes.deep_blocks
         )
         optimizer = keras.optimizers.Adam(1e-3)
-        if arm != BARE:
+        if arm == NEVER_SKIPS:
+            optimizer = NeverSkippingLossScaleOptimizer(optimizer)
+        elif arm != BARE:
             optimizer = models.wrap_optimizer(arm, optimizer)
         models.compile_model(model, optimizer, jit_compile=jit_compile)
         built[arm] = model
-    for arm in (KERAS, PLUGIN):
+    for arm in arms[1:]:
         built[arm].set_weights(built[BARE].get_weights())
     return built
 
@@ -69,16 +90,17 @@ def run(sizes):
         over the bare optimizer and the plugin's over Keras'; on
         TensorFlow, under `"xla"`, the same with `jit_compile=True`.
     """
-    results = run_compiled(sizes, jit_compile="auto")
-    if keras.backend.backend() == "tensorflow":
-        results["xla"] = run_compiled(sizes, jit_compile=True)
+    if keras.backend.backend() != "tensorflow":
+        return run_compiled(sizes, "auto", ARMS)
+    results = run_compiled(sizes, "auto", (*ARMS, NEVER_SKIPS))
+    results["xla"] = run_compiled(sizes, True, ARMS)
     return results
 
 
-def run_compiled(sizes, jit_compile):
-    """Runs the benchmark with the models compiled with `jit_compile`."""
+def run_compiled(sizes, jit_compile, arms):
+    """Runs the benchmark's `arms` compiled with `jit_compile`."""
     policy = policy_for(backend_support.device())
-    compiled = build(sizes, policy, jit_compile)
+    compiled = build(sizes, policy, jit_compile, arms)
     x, y = models.classification_data(
         (sizes.deep_units,),
         training.samples_needed(sizes.max_steps, sizes.deep_batch),
@@ -95,7 +117,7 @@ def run_compiled(sizes, jit_compile):
     )
     target = TARGETS["scaling_cost"]
     costs = {}
-    for arm in (KERAS, PLUGIN):
+    for arm in arms[1:]:
         comparison = stats.compare(samples[arm], samples[BARE])
         costs[arm] = {
             "comparison": comparison,
@@ -116,7 +138,7 @@ def run_compiled(sizes, jit_compile):
             },
             "weight_tensors": len(compiled[BARE].trainable_weights),
         },
-        **{arm: stats.summarize(samples[arm]) for arm in ARMS},
+        **{arm: stats.summarize(samples[arm]) for arm in arms},
         "cost": costs,
         "plugin_over_keras": {
             "comparison": plugin_over_keras,
