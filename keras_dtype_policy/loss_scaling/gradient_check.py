@@ -25,9 +25,9 @@ the cheapest correct form each backend offers:
 The unscale is a multiply by the reciprocal of the scale, as in tf.keras
 2 and PyTorch's kernel: XLA fuses a multiply into the optimizer's update,
 where a divide (a costly op to XLA) stays a kernel of its own per gradient.
-For the dynamic scale, a power of two, the product equals the quotient
-exactly; for a fixed scale that is not one, it differs by at most one
-rounding.
+For a scale that is a power of two (the dynamic scale with its default
+factors) the product equals the quotient exactly; for any other scale it
+differs by at most one rounding.
 
 A gradient that is None is left out. A gradient of a variable that is
 overwritten with its gradient (`overwrite_with_gradient`) is checked but
