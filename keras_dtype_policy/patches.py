@@ -18,12 +18,12 @@ from keras.src.optimizers.loss_scale_optimizer import (
     LossScaleOptimizer as KerasLossScaleOptimizer,
 )
 from keras.src.saving import saving_lib
-from keras.src.trainers.trainer import Trainer
 
 from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_keras_configs
+from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bfloat16_weights
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
@@ -32,28 +32,45 @@ from keras_dtype_policy.tf_keras_compat import policy_deserialization
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
+    """One patched attribute.
+
+    `owner` is the class or module that holds it, or a function of
+    `keras_internals` that finds that class in the installed Keras.
+    """
+
     owner: object
     attribute: str
     make_replacement: object
     why: str
 
+    def find_owner(self):
+        """Returns the class or module; raises if Keras has none."""
+        if isinstance(self.owner, types.FunctionType):
+            try:
+                return self.owner()
+            except keras_internals.KerasInternalsError as error:
+                raise RuntimeError(
+                    f"keras_dtype_policy cannot patch {self.attribute}: {error}"
+                ) from error
+        return self.owner
+
     @property
     def target(self):
-        if isinstance(self.owner, types.ModuleType):
-            return f"{self.owner.__name__}.{self.attribute}"
-        owner = f"{self.owner.__module__}.{self.owner.__qualname__}"
-        return f"{owner}.{self.attribute}"
+        owner = self.find_owner()
+        if isinstance(owner, types.ModuleType):
+            return f"{owner.__name__}.{self.attribute}"
+        return f"{owner.__module__}.{owner.__qualname__}.{self.attribute}"
 
 
 PATCHES = (
     Patch(
-        Trainer,
+        keras_internals.trainer_class,
         "compile",
         compile_hook.make_hooked_compile,
         "Wrap the optimizer for any float16 or loss-scale-carrying policy.",
     ),
     Patch(
-        Trainer,
+        keras_internals.trainer_class,
         "_aggregate_additional_loss",
         additional_losses.make_aggregate_additional_loss,
         "Sum float16 and float32 regularization losses, as tf.keras did.",
@@ -133,23 +150,24 @@ _installed = {}
 def install():
     """Applies the patches; a second call changes nothing."""
     for patch in PATCHES:
+        owner = patch.find_owner()
         if patch.target in _installed:
             continue
-        original = vars(patch.owner).get(patch.attribute)
+        original = vars(owner).get(patch.attribute)
         if original is None:
             raise RuntimeError(
                 f"keras_dtype_policy cannot patch {patch.target}: this Keras "
                 "release no longer defines it there. Please report this."
             )
         replacement = patch.make_replacement(original)
-        setattr(patch.owner, patch.attribute, replacement)
+        setattr(owner, patch.attribute, replacement)
         _installed[patch.target] = (patch, original, replacement)
 
 
 def uninstall():
     """Restores Keras' own attributes; a second call changes nothing."""
     for patch, original, _ in reversed(list(_installed.values())):
-        setattr(patch.owner, patch.attribute, original)
+        setattr(patch.find_owner(), patch.attribute, original)
     _installed.clear()
 
 

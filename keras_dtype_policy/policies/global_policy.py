@@ -4,9 +4,9 @@ import contextlib
 
 import keras
 from keras.src import dtype_policies
-from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 
 from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies.policy import DTypePolicy
 
 # tf.keras' infer policies, which the package's `dtype_policies.get` knows.
@@ -35,7 +35,7 @@ def as_policy(policy, argument_name="policy"):
     if isinstance(policy, keras.DTypePolicy):
         return policy
     if isinstance(policy, str):
-        if policy.startswith(QUANTIZATION_MODES):
+        if keras_internals.is_quantized_policy_name(policy):
             return keras.dtype_policies.get(policy)
         if policy in _INFER_NAMES:
             # Keras' internal `get`, where the package's patch reads them.

@@ -8,17 +8,21 @@ import numpy as np
 import pytest
 from keras.src.layers.layer import Layer
 from keras.src.ops.operation import Operation
-from keras.src.trainers.trainer import Trainer
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import patches
+from keras_dtype_policy.policies import global_policy
+from keras_dtype_policy.policies import keras_internals
 
 BACKEND = keras.backend.backend()
+# `Trainer` up to Keras 3.15, `BaseTrainer` from 3.16 (keras_internals).
+Trainer = keras_internals.trainer_class()
+TRAINER = f"{Trainer.__module__}.{Trainer.__qualname__}"
 
 # What each patched Keras attribute must still accept; a Keras release that
 # moves or reshapes one fails here, naming it.
 EXPECTED_PARAMETERS = {
-    "keras.src.trainers.trainer.Trainer.compile": [
+    f"{TRAINER}.compile": [
         "self",
         "optimizer",
         "loss",
@@ -30,7 +34,7 @@ EXPECTED_PARAMETERS = {
         "jit_compile",
         "auto_scale_loss",
     ],
-    "keras.src.trainers.trainer.Trainer._aggregate_additional_loss": [
+    f"{TRAINER}._aggregate_additional_loss": [
         "self",
         "loss",
     ],
@@ -96,6 +100,8 @@ def test_the_docs_list_every_patch():
     ).read_text()
     for patch in patches.PATCHES:
         short_name = ".".join(patch.target.split(".")[-2:])
+        # The page names the trainer `Trainer`, as Keras 3.12 to 3.15 do.
+        short_name = short_name.replace(f"{Trainer.__name__}.", "Trainer.")
         assert f"| `{short_name}` |" in page, patch.target
     assert f"{len(patches.PATCHES)} Keras internals are patched" in page
 
@@ -114,9 +120,7 @@ def test_import_installs_every_patch():
         assert original is not replacement
     assert (
         Trainer.__dict__["compile"]
-        is patches.installed_patches()[
-            "keras.src.trainers.trainer.Trainer.compile"
-        ][1]
+        is patches.installed_patches()[f"{TRAINER}.compile"][1]
     )
 
 
@@ -132,19 +136,13 @@ def test_uninstall_restores_keras_exactly():
     kdp.uninstall()
     try:
         assert not kdp.is_installed()
-        assert (
-            Trainer.__dict__["compile"]
-            is originals["keras.src.trainers.trainer.Trainer.compile"]
-        )
+        assert Trainer.__dict__["compile"] is originals[f"{TRAINER}.compile"]
         assert (
             Operation.__dict__["from_config"]
             is originals["keras.src.ops.operation.Operation.from_config"]
         )
         kdp.uninstall()
-        assert (
-            Trainer.__dict__["compile"]
-            is originals["keras.src.trainers.trainer.Trainer.compile"]
-        )
+        assert Trainer.__dict__["compile"] is originals[f"{TRAINER}.compile"]
     finally:
         kdp.install()
 
@@ -192,13 +190,73 @@ def test_install_refuses_a_moved_target(monkeypatch):
     kdp.uninstall()
     try:
         monkeypatch.delattr(Trainer, "compile")
-        with pytest.raises(RuntimeError, match="Trainer.compile"):
+        with pytest.raises(
+            RuntimeError, match="cannot patch compile: .*Trainer"
+        ):
             kdp.install()
     finally:
         monkeypatch.undo()
         kdp.uninstall()
         kdp.install()
     assert set(patches.installed_patches()) == TARGETS
+
+
+def test_install_refuses_when_the_trainer_class_is_gone(monkeypatch):
+    # A Keras that moved the shared trainer out of its module: the lookup
+    # finds nothing, and install() says what it looked for, and where.
+    kdp.uninstall()
+    try:
+        monkeypatch.setattr(Trainer, "__module__", "keras.src.elsewhere")
+        with pytest.raises(RuntimeError) as raised:
+            kdp.install()
+        message = str(raised.value)
+        assert "cannot patch compile" in message
+        assert keras_internals.TRAINER_MODULE in message
+        assert keras.__version__ in message
+        assert not kdp.is_installed()
+    finally:
+        monkeypatch.undo()
+        kdp.uninstall()
+        kdp.install()
+    assert set(patches.installed_patches()) == TARGETS
+
+
+def test_the_trainer_is_found_by_what_it_defines():
+    # Keras 3.12 to 3.15 call it Trainer; 3.16 renamed it BaseTrainer.
+    major, minor = (int(part) for part in keras.__version__.split(".")[:2])
+    expected = "BaseTrainer" if (major, minor) >= (3, 16) else "Trainer"
+    assert Trainer.__name__ == expected
+    assert Trainer.__module__ == "keras.src.trainers.trainer"
+    assert issubclass(keras.Model, Trainer)
+    assert "_aggregate_additional_loss" in vars(Trainer)
+
+
+def test_quantized_names_follow_keras_own_modes():
+    modes = keras_internals.quantization_modes()
+    # Modes every Keras of the tested range knows; 3.16 adds "ternary".
+    assert {"int8", "float8", "int4", "gptq"} <= set(modes)
+    assert keras_internals.is_quantized_policy_name("int8_from_float32")
+    assert not keras_internals.is_quantized_policy_name("mixed_bfloat16")
+    policy = global_policy.as_policy("int8_from_mixed_bfloat16")
+    assert policy.quantization_mode == "int8"
+    assert type(policy) is not kdp.DTypePolicy
+
+
+def test_quantization_modes_missing_everywhere_fail_loudly(monkeypatch):
+    from keras.src.dtype_policies import dtype_policy
+
+    # Keras 3.12 to 3.15 have the tuple only, 3.16 the registry only.
+    monkeypatch.delattr(dtype_policy, "QUANTIZATION_MODES", raising=False)
+    try:
+        from keras.src.quantizers import strategy_registry
+    except ImportError:
+        strategy_registry = None
+    if strategy_registry is not None:
+        monkeypatch.delattr(strategy_registry, "registered_modes")
+    with pytest.raises(keras_internals.KerasInternalsError) as raised:
+        keras_internals.quantization_modes()
+    assert "QUANTIZATION_MODES" in str(raised.value)
+    assert "registered_modes" in str(raised.value)
 
 
 def regularized_mixed_model():
