@@ -1,6 +1,8 @@
-"""The Keras internals that moved between releases, found by what they do.
+"""The Keras releases this package is tested with, and what moved in them.
 
-This module is the one place that knows how Keras releases differ inside.
+This module is the one place that knows how Keras releases differ: the
+tested range (`TESTED_KERAS`, the bound of `pyproject.toml`) and the
+internals that moved between releases.
 Each lookup says what it looks for, finds it wherever the installed Keras
 keeps it, and raises `KerasInternalsError`, naming what it looked for and
 where, when no known place has it:
@@ -12,8 +14,19 @@ where, when no known place has it:
 """
 
 import importlib
+import importlib.metadata
+import re
 
 import keras
+
+# The Keras releases the test suite runs against: the package's dependency
+# bound in pyproject.toml says the same (a test checks). Development builds
+# of the last minor release inside it (keras-nightly) count as tested.
+TESTED_KERAS = ">=3.12,<3.17"
+_LOWEST_TESTED = (3, 12)
+_FIRST_UNTESTED = (3, 17)
+# The distributions that install the `keras` module.
+_KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
 
 # The module that defines the trainer all Keras models share.
 TRAINER_MODULE = "keras.src.trainers.trainer"
@@ -90,3 +103,56 @@ def quantization_modes():
 def is_quantized_policy_name(name):
     """Returns True if the policy name `name` names a quantized policy."""
     return name.startswith(quantization_modes())
+
+
+def keras_distribution():
+    """Returns the installed distribution of `keras`: its name, or None.
+
+    `keras-nightly` installs the same `keras` module as `keras`; pip
+    counts them as different projects.
+    """
+    installed = []
+    for name in _KERAS_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        installed.append((name, version))
+    # The one whose version the imported module reports wrote its files.
+    for name, version in installed:
+        if version == keras.__version__:
+            return name
+    return installed[0][0] if installed else None
+
+
+def keras_version_status(version=None):
+    """Says whether a Keras version lies inside the tested range.
+
+    Args:
+        version: A Keras version string; the installed one if None.
+
+    Returns:
+        A `(inside, verdict)` pair: `inside` is True, False, or None for a
+        version that cannot be read; `verdict` says so in words.
+    """
+    version = keras.__version__ if version is None else version
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None:
+        return None, (
+            f"keras {version}: cannot read the version; the tested range "
+            f"is {TESTED_KERAS}"
+        )
+    release = (int(match.group(1)), int(match.group(2)))
+    development = "dev" in str(version)
+    if release < _LOWEST_TESTED:
+        where = "older than"
+    elif release >= _FIRST_UNTESTED:
+        where = "newer than"
+    else:
+        kind = "a development build inside" if development else "inside"
+        return True, f"keras {version}: {kind} the tested range {TESTED_KERAS}"
+    return False, (
+        f"keras {version}: {where} the tested range {TESTED_KERAS}; the "
+        "package patches Keras internals, which may have moved (report "
+        "what fails)"
+    )

@@ -5,6 +5,7 @@ import importlib.metadata
 import keras
 
 from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import advice
 from keras_dtype_policy.tools.tables import format_table
 from keras_dtype_policy.tools.tables import wrap
@@ -21,9 +22,10 @@ def build_report():
 
     Returns:
         A JSON-serializable dict: `backend`, `backend_version`,
-        `keras_version`, `devices` (each with its float16 and bfloat16
-        verdicts), `recommended_policy`, `reason`, `demo_policy` and
-        `notes`.
+        `keras_version`, `keras` (its distribution, the tested range,
+        whether the version lies inside it and a verdict in words),
+        `devices` (each with its float16 and bfloat16 verdicts),
+        `recommended_policy`, `reason`, `demo_policy` and `notes`.
 
     Raises:
         RuntimeError: if the backend cannot list its devices.
@@ -56,11 +58,32 @@ def build_report():
         "backend": backend,
         "backend_version": backend_version(backend),
         "keras_version": keras.__version__,
+        "keras": keras_report(),
         "devices": rows,
         "recommended_policy": policy,
         "reason": reason,
         "demo_policy": advice.demo_choice(devices, backend).policy,
         "notes": _notes(backend, computing),
+    }
+
+
+def keras_report(version=None):
+    """Describes the installed Keras against the tested range.
+
+    Args:
+        version: A Keras version to judge instead of the installed one.
+
+    Returns:
+        A dict: `distribution` (`"keras"`, `"keras-nightly"` or None),
+        `tested_range`, `inside_tested_range` (True, False, or None when
+        the version cannot be read) and `verdict`.
+    """
+    inside, verdict = keras_internals.keras_version_status(version)
+    return {
+        "distribution": keras_internals.keras_distribution(),
+        "tested_range": keras_internals.TESTED_KERAS,
+        "inside_tested_range": inside,
+        "verdict": verdict,
     }
 
 
@@ -80,8 +103,13 @@ def format_report(report):
     lines = [
         f"backend: {report['backend']} {version} "
         f"(keras {report['keras_version']})",
-        "",
     ]
+    distribution = report["keras"]["distribution"]
+    lines += wrap(
+        report["keras"]["verdict"]
+        + (f" (installed as {distribution})" if distribution else "")
+    )
+    lines.append("")
     rows = []
     for device in report["devices"]:
         description = device["description"] or "-"
