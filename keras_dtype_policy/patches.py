@@ -143,31 +143,46 @@ PATCHES = (
     ),
 )
 
-# target -> (patch, Keras' own attribute, our replacement), while installed.
+# target -> (owner, attribute, Keras' own attribute, our replacement), while
+# installed.
 _installed = {}
 
 
 def install():
-    """Applies the patches; a second call changes nothing."""
-    for patch in PATCHES:
-        owner = patch.find_owner()
-        if patch.target in _installed:
-            continue
-        original = vars(owner).get(patch.attribute)
-        if original is None:
-            raise RuntimeError(
-                f"keras_dtype_policy cannot patch {patch.target}: this Keras "
-                "release no longer defines it there. Please report this."
-            )
-        replacement = patch.make_replacement(original)
-        setattr(owner, patch.attribute, replacement)
-        _installed[patch.target] = (patch, original, replacement)
+    """Applies the patches; a second call changes nothing.
+
+    Raises:
+        RuntimeError: naming the target, if the installed Keras no longer
+            has one; the patches this call applied are undone first.
+    """
+    applied = []
+    try:
+        for patch in PATCHES:
+            owner = patch.find_owner()
+            target = patch.target
+            if target in _installed:
+                continue
+            original = vars(owner).get(patch.attribute)
+            if original is None:
+                raise RuntimeError(
+                    f"keras_dtype_policy cannot patch {target}: this Keras "
+                    "release no longer defines it there. Please report this."
+                )
+            replacement = patch.make_replacement(original)
+            setattr(owner, patch.attribute, replacement)
+            _installed[target] = (owner, patch.attribute, original, replacement)
+            applied.append(target)
+    except Exception:
+        for target in reversed(applied):
+            owner, attribute, original, _ = _installed.pop(target)
+            setattr(owner, attribute, original)
+        raise
 
 
 def uninstall():
     """Restores Keras' own attributes; a second call changes nothing."""
-    for patch, original, _ in reversed(list(_installed.values())):
-        setattr(patch.find_owner(), patch.attribute, original)
+    for owner, attribute, original, _ in reversed(list(_installed.values())):
+        setattr(owner, attribute, original)
     _installed.clear()
 
 
@@ -178,4 +193,4 @@ def is_installed():
 
 def installed_patches():
     """Returns `{target: (original, replacement)}` for the patches in place."""
-    return {t: (o, r) for t, (_, o, r) in _installed.items()}
+    return {t: (o, r) for t, (_, _, o, r) in _installed.items()}

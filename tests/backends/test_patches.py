@@ -201,6 +201,25 @@ def test_install_refuses_a_moved_target(monkeypatch):
     assert set(patches.installed_patches()) == TARGETS
 
 
+def test_a_refused_install_leaves_nothing_patched(monkeypatch):
+    # The last target missing: the patches applied before it are undone.
+    from keras.src.saving import saving_lib
+
+    originals = {t: o for t, (o, _) in patches.installed_patches().items()}
+    kdp.uninstall()
+    try:
+        monkeypatch.delattr(saving_lib.H5IOStore, "__getitem__")
+        with pytest.raises(RuntimeError, match="H5IOStore.__getitem__"):
+            kdp.install()
+        assert not kdp.is_installed()
+        assert Trainer.__dict__["compile"] is originals[f"{TRAINER}.compile"]
+    finally:
+        monkeypatch.undo()
+        kdp.uninstall()
+        kdp.install()
+    assert set(patches.installed_patches()) == TARGETS
+
+
 def test_install_refuses_when_the_trainer_class_is_gone(monkeypatch):
     # A Keras that moved the shared trainer out of its module: the lookup
     # finds nothing, and install() says what it looked for, and where.
