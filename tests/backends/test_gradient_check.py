@@ -312,6 +312,7 @@ def test_optimizer_steps_over_many_tensors_of_mixed_dtypes(bad):
         keras.optimizers.SGD(0.1), initial_scale=SCALE
     )
     scaled = [None if g is None else to_numpy(g) for g in grads()]
+    optimizer.scale_loss(1.0)  # as Keras' trainers do before each step
     optimizer.apply(grads(), weights)
     # SGD: w - 0.1 * g / scale (Keras' own wrapper cannot step eagerly on
     # JAX, so the expectation is written out).
