@@ -10,6 +10,7 @@ from keras import ops
 from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_hyperparameters
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
+from keras_dtype_policy.loss_scaling import minimize
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
@@ -620,6 +621,43 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return super().apply(grads, trainable_variables)
         finally:
             self._unscales_this_step = True
+
+    def minimize(self, loss, var_list, tape=None):
+        """Scales the loss, takes its gradients and applies one step.
+
+        tf.keras 2's `minimize`, on every backend: the loss is scaled with
+        `scale_loss`, differentiated, and the gradients are unscaled and
+        applied (or the step is skipped) as in `apply`.
+
+        Args:
+            loss: A callable with no arguments that returns the loss. On
+                TensorFlow, also a loss tensor recorded on `tape`.
+            var_list: The variables to minimize over: a variable, a list of
+                them, or a callable returning one of those.
+            tape: TensorFlow only: the `tf.GradientTape` that recorded a
+                loss tensor.
+
+        Example:
+
+        >>> optimizer = keras_dtype_policy.LossScaleOptimizer(
+        ...     keras.optimizers.SGD(0.25)
+        ... )
+        >>> var = keras.Variable(1.0)
+        >>> optimizer.minimize(lambda: var**2, var_list=var)
+        >>> float(var.numpy())
+        0.5
+        """
+        variables = minimize.variable_list(var_list)
+        if not self.built:
+            self.build(variables)
+        grads = minimize.scaled_gradients(self, loss, variables, tape)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                self.apply(grads, variables)
+        else:
+            self.apply(grads, variables)
 
     def _begin_step(self, grads):
         """Reads and resets what the loop did since the last step.
