@@ -44,7 +44,7 @@ def is_hyperparameter(optimizer, name):
     return name in hyperparameter_names(optimizer)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _constructor_arguments(optimizer_class):
     """The keyword arguments of every optimizer constructor in the MRO."""
     names = set()

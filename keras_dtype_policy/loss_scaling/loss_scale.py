@@ -15,7 +15,6 @@ from keras import ops
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
 
-
 # The largest finite float32: a scale above it would read as inf.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 

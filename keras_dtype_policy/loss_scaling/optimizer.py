@@ -456,7 +456,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _unscale(self, grads, scale, variables):
         if self._skips_unscaling():
-            return list(grads)
+            return [_as_tensor(g) for g in grads]
         return gradient_check.unscale(grads, scale, self._kept(variables))
 
     def _skips_unscaling(self):
@@ -840,6 +840,14 @@ class _Reading(float):
 
     def numpy(self):
         return np.float32(self)
+
+
+def _as_tensor(value):
+    """`value` as a tensor, as unscaling would give it; None and sparse
+    values stay as they are."""
+    if value is None or type(value).__name__ == "IndexedSlices":
+        return value
+    return ops.convert_to_tensor(value)
 
 
 def _multiply(value, factor):

@@ -192,9 +192,7 @@ def test_learning_rate_callbacks_reach_the_inner_optimizer():
         [keras.callbacks.LearningRateScheduler(schedule)],
         epochs=3,
     )
-    assert number(wrapped.inner_optimizer.learning_rate) == pytest.approx(
-        0.025
-    )
+    assert number(wrapped.inner_optimizer.learning_rate) == pytest.approx(0.025)
     reference = kdp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     unscheduled = fitted_kernel(reference, epochs=3)
     assert not np.allclose(scheduled, unscheduled)
@@ -211,15 +209,13 @@ def test_learning_rate_callbacks_reach_the_inner_optimizer():
     )
     # The first epoch sets the best loss, the second (no better by 1e9)
     # halves the learning rate.
-    assert number(plateau.inner_optimizer.learning_rate) == pytest.approx(
-        0.05
-    )
+    assert number(plateau.inner_optimizer.learning_rate) == pytest.approx(0.05)
 
 
 def test_a_callback_setting_a_hyperparameter_by_name_reaches_the_inner():
     class SetMomentum(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            setattr(self.model.optimizer, "momentum", 0.25)
+            self.model.optimizer.momentum = 0.25
 
     wrapped = kdp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     fitted_kernel(wrapped, [SetMomentum()], epochs=1)

@@ -144,7 +144,7 @@ def tensorflow_loop(optimizer, spelling):
         grads = tape.gradient(loss, [w.value])
         if spelling == "tf_keras":
             grads = optimizer.get_unscaled_gradients(grads)
-        optimizer.apply_gradients(zip(grads, [w]))
+        optimizer.apply_gradients(zip(grads, [w], strict=True))
 
     for _ in range(STEPS):
         step()
@@ -164,7 +164,7 @@ def jax_loop(optimizer, spelling):
 
     @jax.jit
     def step(w_value, optimizer_values):
-        mapping = list(zip(optimizer.variables, optimizer_values))
+        mapping = list(zip(optimizer.variables, optimizer_values, strict=True))
         with keras.StatelessScope(state_mapping=mapping):
             if spelling == "scale_loss":
                 grad = jax.grad(lambda v: optimizer.scale_loss(loss_fn(v)))(

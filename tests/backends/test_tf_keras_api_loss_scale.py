@@ -488,7 +488,7 @@ def test_tf_keras_serialization_with_built_in_optimizer():
         assert (revived.loss_scale, revived.dynamic_growth_steps) == (2.0, 3)
         assert revived.dynamic is True
         var = keras.Variable(np.float32([5.0]))
-        revived.minimize(lambda: var, var_list=[var])
+        revived.minimize(lambda var=var: var, var_list=[var])
         np.testing.assert_array_equal(to_numpy(var), [3.0])
         assert revived.dynamic_counter == 1
 
