@@ -704,7 +704,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _forwarded_to(self, name):
         """Returns the inner optimizer if `name` is its hyperparameter and
         not the wrapper's own attribute, else None."""
-        if name.startswith("_"):
+        if name.startswith("_") or name in _WRAPPER_NAMES:
             return None
         inner = self._settings_owner()
         if inner is None or name in self.__dict__:
@@ -766,6 +766,18 @@ def _saved_inner_step(values):
         at = 0
     return values[at] if scalar(at, "iu") else None
 
+
+# Names the wrapper sets on itself (its settings, its variables), never
+# passed to the inner optimizer even if it has a setting of the same name.
+_WRAPPER_NAMES = frozenset(
+    (
+        *inspect.signature(LossScaleOptimizer).parameters,
+        "step_counter",
+        "dynamic_scale",
+        "skipped_step_counter",
+        "skipped_steps_record",
+    )
+)
 
 # The settings Keras' own LossScaleOptimizer lacks, with their defaults.
 _EXTRA_DEFAULTS = {

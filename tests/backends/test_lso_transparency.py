@@ -221,3 +221,19 @@ def test_a_callback_setting_a_hyperparameter_by_name_reaches_the_inner():
     fitted_kernel(wrapped, [SetMomentum()], epochs=1)
     assert wrapped.inner_optimizer.momentum == 0.25
     assert "momentum" not in vars(wrapped)
+
+
+def test_the_wrappers_own_settings_stay_its_own():
+    # An inner optimizer with settings named like the wrapper's keeps them.
+    class Odd(keras.optimizers.SGD):
+        def __init__(self, initial_scale=3.0, min_scale=0.5, **kwargs):
+            super().__init__(**kwargs)
+            self.initial_scale = initial_scale
+            self.min_scale = min_scale
+
+    inner = Odd()
+    optimizer = kdp.LossScaleOptimizer(inner, initial_scale=8, min_scale=2)
+    assert (optimizer.initial_scale, optimizer.min_scale) == (8.0, 2.0)
+    assert (inner.initial_scale, inner.min_scale) == (3.0, 0.5)
+    optimizer.min_scale = 4.0
+    assert inner.min_scale == 0.5
