@@ -10,7 +10,7 @@ from keras import ops
 from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_hyperparameters
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
-from keras_dtype_policy.loss_scaling import minimize
+from keras_dtype_policy.loss_scaling import loss_gradients
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
@@ -647,10 +647,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> float(var.numpy())
         0.5
         """
-        variables = minimize.variable_list(var_list)
+        variables = loss_gradients.variable_list(var_list)
         if not self.built:
             self.build(variables)
-        grads = minimize.scaled_gradients(self, loss, variables, tape)
+        grads = loss_gradients.scaled_gradients(self, loss, variables, tape)
         if keras.backend.backend() == "torch":
             import torch
 
