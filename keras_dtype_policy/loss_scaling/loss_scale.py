@@ -9,10 +9,14 @@ that drives one by hand.
 
 import numbers
 
+import numpy as np
 from keras import ops
 
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
+
+# The largest finite float32: a scale above it would read as inf.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class LossScale:
@@ -170,7 +174,8 @@ class DynamicLossScale(LossScale):
 
     def _step(self, finite):
         # TensorFlow's rule: grow after `increment_period` finite steps
-        # (unless that overflows), shrink (not below 1) after a bad step.
+        # (unless that overflows float32, the scale's dtype), shrink (not
+        # below 1) after a bad step.
         if not finite:
             self._current = max(self._current / self.multiplier, 1.0)
             self._counter = 0
@@ -178,7 +183,7 @@ class DynamicLossScale(LossScale):
         self._counter += 1
         if self._counter >= self.increment_period:
             grown = self._current * self.multiplier
-            if grown != float("inf"):
+            if grown <= _FLOAT32_MAX:
                 self._current = grown
             self._counter = 0
 

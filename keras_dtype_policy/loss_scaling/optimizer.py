@@ -8,7 +8,9 @@ import numpy as np
 from keras import ops
 
 from keras_dtype_policy.loss_scaling import gradient_check
+from keras_dtype_policy.loss_scaling import inner_hyperparameters
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
+from keras_dtype_policy.loss_scaling import loss_gradients
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
@@ -16,6 +18,31 @@ from keras_dtype_policy.loss_scaling.backend_utils import is_concrete
 from keras_dtype_policy.policies.registration import register
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
+
+
+class _InnerSetting:
+    """A setting of Keras' base optimizer that the wrapper keeps on its
+    inner optimizer (`clipnorm`, `use_ema`, ...), so that reading or setting
+    it through the wrapper reaches the optimizer that applies the step."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.own_name = f"_own_{name}"
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        inner = wrapper._settings_owner()
+        if inner is None:
+            return wrapper.__dict__.get(self.own_name)
+        return getattr(inner, self.name)
+
+    def __set__(self, wrapper, value):
+        inner = wrapper._settings_owner()
+        if inner is None:
+            wrapper.__dict__[self.own_name] = value
+        else:
+            setattr(inner, self.name, value)
 
 
 @register
@@ -136,8 +163,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._read_skipped_steps, self._write_skipped_steps
         )
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
-        self._tf_keras_loop = {"scaled": False, "unscaled": False}
+        # What the loop did since the last step (see `_begin_step`).
+        self._loss_scaled_by = None
         self._grads_come_unscaled = False
+        self._unscales_this_step = True
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -284,7 +313,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"To call `stateless_apply`, {type(self).__name__} must be "
                 "built. Build it with `optimizer.build(trainable_variables)`."
             )
-        grads = self._rescaled(grads)
+        grads = self._begin_step(grads)
+        try:
+            return self._stateless_step(
+                optimizer_variables, grads, trainable_variables
+            )
+        finally:
+            self._unscales_this_step = True
+
+    def _stateless_step(self, optimizer_variables, grads, trainable_variables):
         own_count = len(self._variables)
         own_values = list(optimizer_variables[:own_count])
         inner_values = list(optimizer_variables[own_count:])
@@ -338,7 +375,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if (
             finite is None
             and keras.backend.backend() == "torch"
-            and not self._scale_is_one()
+            and not self._skips_unscaling()
         ):
             # One fused kernel checks and unscales (in place) every gradient.
             variables = trainable_variables or self._trainable_variables
@@ -418,13 +455,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             count()
 
     def _unscale(self, grads, scale, variables):
-        if self._scale_is_one():
-            return list(grads)
+        if self._skips_unscaling():
+            return [_as_tensor(g) for g in grads]
         return gradient_check.unscale(grads, scale, self._kept(variables))
 
-    def _scale_is_one(self):
-        # A fixed scale of 1 (a wrapper on a step that needs no scaling):
-        # nothing to divide.
+    def _skips_unscaling(self):
+        # A step whose loss was never scaled (see `_begin_step`), or a fixed
+        # scale of 1 (a wrapper on a step that needs no scaling): nothing to
+        # divide.
+        if not self._unscales_this_step:
+            return True
         return not self.dynamic and self.initial_scale == 1.0
 
     def _kept(self, variables):
@@ -506,11 +546,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         return cls(inner_optimizer, **config)
 
-    # tf.keras 2's custom-loop API. Keras' trainers scale the loss with
-    # `scale_loss` and leave the unscaling to `apply`. A tf.keras 2 loop
-    # unscales the gradients itself with `get_unscaled_gradients`; the next
-    # `apply` multiplies them back by the same scale (exact for a power of
-    # two) before its own finiteness check and unscaling.
+    # The custom-loop API of tf.keras 2 and of Keras. Each step, `apply`
+    # (and `stateless_apply`) asks what the loop did since the last step:
+    #
+    # - the loss was scaled (`scale_loss`, as Keras' trainers do, or
+    #   `get_scaled_loss`) and the gradients were not unscaled by hand:
+    #   `apply` unscales them, as Keras' own wrapper does;
+    # - the gradients were unscaled by hand (`get_unscaled_gradients`): they
+    #   are multiplied back by the same scale (exact for a power of two), so
+    #   the step is the same as Keras' own;
+    # - neither: the loss was never scaled, so the gradients are applied as
+    #   given, as tf.keras 2 did, with its warning. Keras' own wrapper
+    #   divides them by the scale (2**15 by default) in this case.
+    #
+    # The answer is read in Python, at the point the step runs: eagerly on
+    # torch, and while tracing on TensorFlow (`tf.function`) and JAX (`jit`),
+    # where the loop's calls run in the same order within one trace.
 
     def get_scaled_loss(self, loss):
         """Returns the loss multiplied by the current scale.
@@ -522,7 +573,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             The scaled loss, in the loss' dtype, or a callable returning it.
         """
-        self._tf_keras_loop["scaled"] = True
+        self._loss_scaled_by = "get_scaled_loss"
         if callable(loss):
 
             def scaled_loss():
@@ -544,73 +595,151 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             The list of unscaled gradients.
         """
-        self._tf_keras_loop["unscaled"] = True
         self._grads_come_unscaled = True
         reciprocal = ops.divide(1.0, self._current_scale())
         return [_multiply(g, reciprocal) for g in grads]
 
     def scale_loss(self, loss):
-        self._tf_keras_loop["scaled"] = True
+        """Returns the loss multiplied by the current scale.
+
+        Keras' trainers call it on every training step; the next `apply`
+        then unscales the gradients.
+        """
+        self._loss_scaled_by = "scale_loss"
         return super().scale_loss(loss)
 
-    def apply_gradients(self, grads_and_vars):
-        """Applies gradients, with tf.keras' warnings for a custom loop."""
-        _warn_about_scaling(**self._tf_keras_loop)
-        return super().apply_gradients(grads_and_vars)
-
     def apply(self, grads, trainable_variables=None):
-        return super().apply(self._rescaled(grads), trainable_variables)
+        """Applies one step of (scaled) gradients.
 
-    def _rescaled(self, grads):
-        """Undoes `get_unscaled_gradients` for the step that follows it."""
-        if not self._grads_come_unscaled:
-            return grads
+        Gradients of a loss that `scale_loss` or `get_scaled_loss` scaled
+        are unscaled first; a step whose loss was never scaled applies its
+        gradients as given, with tf.keras' warning. A step with a NaN or Inf
+        gradient is skipped in both cases.
+        """
+        grads = self._begin_step(grads)
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            self._unscales_this_step = True
+
+    def minimize(self, loss, var_list, tape=None):
+        """Scales the loss, takes its gradients and applies one step.
+
+        tf.keras 2's `minimize`, on every backend: the loss is scaled with
+        `scale_loss`, differentiated, and the gradients are unscaled and
+        applied (or the step is skipped) as in `apply`.
+
+        Args:
+            loss: A callable with no arguments that returns the loss. On
+                TensorFlow, also a loss tensor recorded on `tape`.
+            var_list: The variables to minimize over: a variable, a list of
+                them, or a callable returning one of those.
+            tape: TensorFlow only: the `tf.GradientTape` that recorded a
+                loss tensor.
+
+        Example:
+
+        >>> optimizer = keras_dtype_policy.LossScaleOptimizer(
+        ...     keras.optimizers.SGD(0.25)
+        ... )
+        >>> var = keras.Variable(1.0)
+        >>> optimizer.minimize(lambda: var**2, var_list=var)
+        >>> float(var.numpy())
+        0.5
+        """
+        variables = loss_gradients.variable_list(var_list)
+        if not self.built:
+            self.build(variables)
+        grads = loss_gradients.scaled_gradients(self, loss, variables, tape)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                self.apply(grads, variables)
+        else:
+            self.apply(grads, variables)
+
+    def _begin_step(self, grads):
+        """Reads and resets what the loop did since the last step.
+
+        Returns the gradients for the step, and sets whether it unscales.
+        """
+        scaled_by = self._loss_scaled_by
+        unscaled = self._grads_come_unscaled
+        self._loss_scaled_by = None
         self._grads_come_unscaled = False
+        _warn_about_scaling(scaled_by, unscaled)
+        self._unscales_this_step = scaled_by is not None or unscaled
+        if not unscaled:
+            return grads
         scale = self._current_scale()
         return [_multiply(g, scale) for g in grads]
 
     def _current_scale(self):
         return self.dynamic_scale if self.built else self.initial_scale
 
-    # tf.keras read the inner optimizer's hyperparameters through the
-    # wrapper: `opt.beta_1`, `opt.use_ema`.
+    # The wrapper is transparent to the inner optimizer's hyperparameters,
+    # both ways, as tf.keras 2's was: `opt.beta_1 = 0.7` sets the inner
+    # optimizer's `beta_1`, the value its next step uses.
 
-    @property
-    def use_ema(self):
-        """The inner optimizer's `use_ema`."""
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None or self.__dict__.get("_reading_own_settings"):
-            return self.__dict__.get("_own_use_ema", False)
-        return inner.use_ema
+    use_ema = _InnerSetting()
+    ema_momentum = _InnerSetting()
+    ema_overwrite_frequency = _InnerSetting()
+    weight_decay = _InnerSetting()
+    clipnorm = _InnerSetting()
+    global_clipnorm = _InnerSetting()
+    clipvalue = _InnerSetting()
 
-    @use_ema.setter
-    def use_ema(self, value):
-        self._own_use_ema = value
+    def _settings_owner(self):
+        """The inner optimizer, or None while the wrapper reads its own.
 
-    @property
-    def ema_momentum(self):
-        """The inner optimizer's `ema_momentum`."""
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None or self.__dict__.get("_reading_own_settings"):
-            return self.__dict__.get("_own_ema_momentum", 0.99)
-        return inner.ema_momentum
+        Keras' base class sets and reads these settings on the wrapper in
+        `__init__` (before there is an inner optimizer) and in `build`.
+        """
+        state = self.__dict__
+        if state.get("_reading_own_settings"):
+            return None
+        return state.get("inner_optimizer")
 
-    @ema_momentum.setter
-    def ema_momentum(self, value):
-        self._own_ema_momentum = value
+    def _forwarded_to(self, name):
+        """Returns the inner optimizer if `name` is its hyperparameter and
+        not the wrapper's own attribute, else None."""
+        if name.startswith("_") or name in _WRAPPER_NAMES:
+            return None
+        inner = self._settings_owner()
+        if inner is None or name in self.__dict__:
+            return None
+        if any(name in klass.__dict__ for klass in type(self).__mro__):
+            return None
+        if not inner_hyperparameters.is_hyperparameter(inner, name):
+            return None
+        return inner
+
+    def __setattr__(self, name, value):
+        inner = self._forwarded_to(name)
+        if inner is not None:
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
 
     def __getattr__(self, name):
         # Only for names the wrapper itself lacks, such as `beta_1`.
+        inner = self._forwarded_to(name)
+        if inner is None:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' "
+                "(the wrapper passes through only the hyperparameters of "
+                "its inner optimizer; read other attributes on "
+                "`inner_optimizer`)"
+            )
+        return getattr(inner, name)
+
+    def __dir__(self):
+        names = set(super().__dir__())
         inner = self.__dict__.get("inner_optimizer")
-        missing = AttributeError(
-            f"'{type(self).__name__}' object has no attribute '{name}'"
-        )
-        if name.startswith("_") or inner is None:
-            raise missing
-        try:
-            return getattr(inner, name)
-        except AttributeError:
-            raise missing from None
+        if inner is not None:
+            names.update(inner_hyperparameters.hyperparameter_names(inner))
+        return sorted(names)
 
 
 def _saved_inner_step(values):
@@ -637,6 +766,18 @@ def _saved_inner_step(values):
         at = 0
     return values[at] if scalar(at, "iu") else None
 
+
+# Names the wrapper sets on itself (its settings, its variables), never
+# passed to the inner optimizer even if it has a setting of the same name.
+_WRAPPER_NAMES = frozenset(
+    (
+        *inspect.signature(LossScaleOptimizer).parameters,
+        "step_counter",
+        "dynamic_scale",
+        "skipped_step_counter",
+        "skipped_steps_record",
+    )
+)
 
 # The settings Keras' own LossScaleOptimizer lacks, with their defaults.
 _EXTRA_DEFAULTS = {
@@ -713,6 +854,14 @@ class _Reading(float):
         return np.float32(self)
 
 
+def _as_tensor(value):
+    """`value` as a tensor, as unscaling would give it; None and sparse
+    values stay as they are."""
+    if value is None or type(value).__name__ == "IndexedSlices":
+        return value
+    return ops.convert_to_tensor(value)
+
+
 def _multiply(value, factor):
     """`value * factor` in the value's dtype; sparse values stay sparse."""
     if value is None:
@@ -727,13 +876,14 @@ def _multiply(value, factor):
     return ops.multiply(value, ops.cast(factor, value.dtype))
 
 
-def _warn_about_scaling(scaled, unscaled):
+def _warn_about_scaling(scaled_by, unscaled):
     """tf.keras' warnings for a custom loop that forgot a step.
 
-    Gradients of a scaled loss that were not unscaled by hand are fine
-    here (`apply` unscales them), so only an unscaled loss warns.
+    `scaled_by` names the method that scaled the loss, or is None.
+    Gradients of a loss that `scale_loss` (Keras' spelling) scaled need no
+    unscaling by hand: `apply` unscales them, without warning.
     """
-    if scaled:
+    if scaled_by == "scale_loss" or (scaled_by and unscaled):
         return
     example = (
         "\n    with tf.GradientTape() as tape:\n      loss = loss_fn()\n"
@@ -742,7 +892,15 @@ def _warn_about_scaling(scaled, unscaled):
         "    grads = opt.get_unscaled_gradients(scaled_grads)\n"
         "    opt.apply_gradients([(grads, var)])"
     )
-    if unscaled:
+    if scaled_by:
+        start = (
+            "You forgot to call LossScaleOptimizer.get_unscaled_gradients() "
+            "before calling LossScaleOptimizer.apply_gradients() (you did "
+            "call get_scaled_loss() however). The gradients are unscaled "
+            "for you here, as for Keras' `scale_loss`; tf.keras 2 applied "
+            "them scaled."
+        )
+    elif unscaled:
         start = (
             "You forgot to call LossScaleOptimizer.get_scaled_loss() before "
             "calling LossScaleOptimizer.apply_gradients() (you did call "
@@ -754,8 +912,8 @@ def _warn_about_scaling(scaled, unscaled):
         start = (
             "You forgot to call LossScaleOptimizer.get_scaled_loss() and "
             "LossScaleOptimizer.get_unscaled_gradients() before calling "
-            "LossScaleOptimizer.apply_gradients(). This will likely result "
-            "in worse model quality, so please call them in the correct "
-            "places!"
+            "LossScaleOptimizer.apply_gradients(). The loss was not "
+            "scaled, so the gradients are applied as given (as tf.keras 2 "
+            "did), with no protection from float16 underflow."
         )
-    warnings.warn(f"{start} For example:{example}", UserWarning, stacklevel=3)
+    warnings.warn(f"{start} For example:{example}", UserWarning, stacklevel=4)

@@ -312,6 +312,7 @@ def test_optimizer_steps_over_many_tensors_of_mixed_dtypes(bad):
         keras.optimizers.SGD(0.1), initial_scale=SCALE
     )
     scaled = [None if g is None else to_numpy(g) for g in grads()]
+    optimizer.scale_loss(1.0)  # as Keras' trainers do before each step
     optimizer.apply(grads(), weights)
     # SGD: w - 0.1 * g / scale (Keras' own wrapper cannot step eagerly on
     # JAX, so the expectation is written out).
@@ -344,6 +345,7 @@ def test_a_fixed_scale_of_one_divides_nothing_but_still_skips(bad, monkeypatch):
     values = np.full((3,), 2.0, "float32")
     if bad is not None:
         values[0] = bad
+    optimizer.scale_loss(1.0)  # a scaled loss, so the scale of 1 decides
     optimizer.apply([keras.ops.convert_to_tensor(values)], [weight])
     expected = 1.0 if bad is not None else 0.0
     np.testing.assert_array_equal(to_numpy(weight), expected)

@@ -42,6 +42,8 @@ def run_stateful(optimizer, variables, kinds):
     states = []
     for kind in kinds:
         grads = [gradient(kind, optimizer.loss_scale)]
+        # Keras' trainers scale the loss before every step.
+        optimizer.scale_loss(1.0)
         optimizer.apply(grads, variables)
         states.append(state_of(optimizer))
         assert np.all(np.isfinite(to_numpy(variables[0])))
@@ -60,6 +62,7 @@ def run_stateless(optimizer, variables, kinds):
     states = []
     for kind in kinds:
         scale = float(to_numpy(optimizer_values[_index(optimizer)]))
+        optimizer.scale_loss(1.0)
         trainable, optimizer_values = optimizer.stateless_apply(
             optimizer_values, [gradient(kind, scale)], trainable
         )
@@ -135,6 +138,7 @@ def test_stateless_apply_is_refused_on_tensorflow_only():
         with pytest.raises(ValueError, match="TensorFlow backend"):
             optimizer.stateless_apply(values, grads, [variables[0].value])
         return
+    optimizer.scale_loss(1.0)
     new_trainable, new_values = optimizer.stateless_apply(
         values, grads, [variables[0].value]
     )
@@ -148,6 +152,7 @@ def test_gradients_are_unscaled_before_the_inner_optimizer():
         keras.optimizers.SGD(1.0), dynamic=False, initial_scale=64
     )
     grads = [keras.ops.convert_to_tensor(np.array([64.0, 128.0, -32.0]))]
+    optimizer.scale_loss(1.0)
     optimizer.apply(grads, variables)
     np.testing.assert_allclose(to_numpy(variables[0]), [0.0, -1.0, 1.5])
     assert optimizer.scale_loss(2.0) is not None

@@ -133,12 +133,14 @@ def test_dynamic_scale_grows_and_backs_off():
         keras.optimizers.SGD(1.0), initial_scale=2, dynamic_growth_steps=1
     )
     var = one_variable()
+    # tf-keras' testDynamicUpdate: a loss never scaled steps by the gradient
+    # as given (1 - 1 * 2) and the finite step grows the scale.
     optimizer.apply_gradients([(np.float32(2.0), var)])
     assert optimizer.loss_scale == 4.0
-    assert number(var) == 0.0
+    assert number(var) == -1.0
     optimizer.apply_gradients([(np.float32(np.nan), var)])
     assert optimizer.loss_scale == 2.0
-    assert number(var) == 0.0
+    assert number(var) == -1.0
 
 
 def test_fixed_scale_readings():
@@ -374,3 +376,205 @@ def test_keras_own_configs_still_build_keras_own_class():
     )
     assert type(revived) is keras.optimizers.LossScaleOptimizer
     assert revived.initial_scale == 16.0
+
+
+# tf-keras' testGetConfigFixed / testGetConfigDynamic: the config of each
+# tf.keras generation, read back and used for one step of `minimize`.
+
+SGD_2_3 = {
+    "class_name": "SGD",
+    "config": {
+        "learning_rate": 2.0,
+        "momentum": 0.5,
+        "decay": 0.0,
+        "nesterov": False,
+        "name": "SGD",
+    },
+}
+# tf.keras 2.11 to 2.21 (the optimizer tf.keras 2.9 called experimental).
+SGD_2_11 = {
+    "module": "keras.optimizers",
+    "class_name": "SGD",
+    "config": {
+        "name": "SGD",
+        "weight_decay": None,
+        "clipnorm": None,
+        "global_clipnorm": None,
+        "clipvalue": None,
+        "use_ema": False,
+        "ema_momentum": 0.99,
+        "ema_overwrite_frequency": None,
+        "jit_compile": True,
+        "is_legacy_optimizer": False,
+        "learning_rate": 2.0,
+        "momentum": 0.5,
+        "nesterov": False,
+    },
+    "registered_name": None,
+}
+
+
+def tf_keras_config(layout, dynamic):
+    if layout == "tf2_3":
+        if dynamic:
+            loss_scale = {
+                "class_name": "DynamicLossScale",
+                "config": {
+                    "initial_loss_scale": 2.0,
+                    "increment_period": 3,
+                    "multiplier": 2.0,
+                },
+            }
+        else:
+            loss_scale = {
+                "class_name": "FixedLossScale",
+                "config": {"loss_scale_value": 2.0},
+            }
+        return {"optimizer": SGD_2_3, "loss_scale": loss_scale}
+    inner = SGD_2_3 if layout == "tf2_4_to_2_8" else SGD_2_11
+    return {
+        "inner_optimizer": inner,
+        "dynamic": dynamic,
+        "initial_scale": 2.0,
+        "dynamic_growth_steps": 3 if dynamic else None,
+    }
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+@pytest.mark.parametrize(
+    "layout", ["tf2_3", "tf2_4_to_2_8", "tf2_9_plus", "own"]
+)
+def test_tf_keras_get_config_layouts(layout, dynamic):
+    if layout == "own":
+        optimizer = kdp.LossScaleOptimizer(
+            keras.optimizers.SGD(2.0, momentum=0.5),
+            dynamic=dynamic,
+            initial_scale=2,
+            dynamic_growth_steps=3 if dynamic else None,
+        )
+        config = optimizer.get_config()
+    else:
+        config = tf_keras_config(layout, dynamic)
+    optimizer = kdp.LossScaleOptimizer.from_config(config)
+    assert number(optimizer.learning_rate) == 2.0
+    assert optimizer.inner_optimizer.momentum == 0.5
+    assert optimizer.loss_scale == 2.0
+    assert optimizer.initial_scale == 2.0
+    assert optimizer.dynamic is dynamic
+    assert optimizer.dynamic_growth_steps == (3 if dynamic else None)
+    # Its own config round-trips.
+    revived = kdp.LossScaleOptimizer.from_config(optimizer.get_config())
+    assert revived.get_config() == optimizer.get_config()
+    # The optimizer can be used: d(var)/d(var) = 1, SGD(2): 5 - 2 = 3.
+    var = keras.Variable(np.float32([5.0]))
+    optimizer.minimize(lambda: var, var_list=[var])
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+    assert optimizer.dynamic_counter == (1 if dynamic else None)
+
+
+def test_tf_keras_serialization_with_built_in_optimizer():
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(2.0, momentum=0.5),
+        initial_scale=2.0,
+        dynamic_growth_steps=3,
+    )
+    for class_name in ("LossScaleOptimizer", "LossScaleOptimizerV1"):
+        config = keras.optimizers.serialize(optimizer)
+        config["class_name"] = class_name
+        revived = keras.optimizers.deserialize(config)
+        assert isinstance(revived, kdp.LossScaleOptimizer)
+        assert number(revived.learning_rate) == 2.0
+        assert revived.inner_optimizer.momentum == 0.5
+        assert (revived.loss_scale, revived.dynamic_growth_steps) == (2.0, 3)
+        assert revived.dynamic is True
+        var = keras.Variable(np.float32([5.0]))
+        revived.minimize(lambda var=var: var, var_list=[var])
+        np.testing.assert_array_equal(to_numpy(var), [3.0])
+        assert revived.dynamic_counter == 1
+
+
+def test_tf_keras_fixed_loss_scale_applied_to_loss_with_minimize():
+    # tf-keras checks the gradient reaching the loss is the scale. Here the
+    # scale is what keeps a float16 gradient alive: d/dvar of
+    # float16(var) * 2**-13 * 2**-13 is 2**-26, below float16's smallest
+    # subnormal (2**-24); scaled by 2**15 on its way back, it is 2**-11.
+    tiny = keras.ops.convert_to_tensor(2.0**-13, dtype="float16")
+
+    def step(initial_scale):
+        var = keras.Variable(np.float32([1.0]))
+        optimizer = kdp.LossScaleOptimizer(
+            keras.optimizers.SGD(2.0**26),
+            dynamic=False,
+            initial_scale=initial_scale,
+        )
+        optimizer.minimize(
+            lambda: keras.ops.cast(var, "float16") * tiny * tiny, [var]
+        )
+        return to_numpy(var)
+
+    np.testing.assert_array_equal(step(2.0**15), [0.0])  # 1 - 2**26 * 2**-26
+    np.testing.assert_array_equal(step(1.0), [1.0])  # the gradient was 0
+    # tf-keras' own numbers: SGD(2), fixed scale 10, var 5 -> 3.
+    var = keras.Variable(np.float32([5.0]))
+    optimizer = kdp.LossScaleOptimizer(
+        keras.optimizers.SGD(2.0), dynamic=False, initial_scale=10.0
+    )
+    assert optimizer.loss_scale == 10.0
+    optimizer.minimize(lambda: var, var_list=[var])
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+
+
+def test_minimize_arguments():
+    var = keras.Variable(np.float32([5.0]))
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    with pytest.raises(ValueError, match="at least one variable"):
+        optimizer.minimize(lambda: var, var_list=[])
+    # tf.keras also took a callable returning the variables.
+    optimizer.minimize(lambda: var * 2.0, var_list=lambda: [var])
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+    if BACKEND == "tensorflow":
+        with pytest.raises(ValueError, match="`tape` is required"):
+            optimizer.minimize(keras.ops.convert_to_tensor(1.0), [var])
+    else:
+        # JAX and PyTorch differentiate a callable, not a computed tensor.
+        with pytest.raises(TypeError, match="must be a callable"):
+            optimizer.minimize(keras.ops.convert_to_tensor(1.0), [var])
+        with pytest.raises(ValueError, match="TensorFlow backend only"):
+            optimizer.minimize(lambda: var, [var], tape=object())
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="a loss tensor recorded on a tf.GradientTape is TensorFlow's",
+)
+def test_minimize_with_a_tape_on_tensorflow():
+    import tensorflow as tf
+
+    var = keras.Variable(np.float32([5.0]))
+    optimizer = kdp.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    with tf.GradientTape() as tape:
+        loss = var.value * 2.0
+    optimizer.minimize(loss, [var], tape=tape)
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+
+
+def test_dynamic_loss_scale_object_stops_growing_at_the_float32_max():
+    # TensorFlow's test_keep_increasing_until_capped.
+    initial = float(np.finfo(np.float32).max) / 4
+    largest = float(np.finfo(np.float32).max)
+    scale = kdp.DynamicLossScale(
+        initial_loss_scale=initial, increment_period=2, multiplier=2
+    )
+    values = []
+    for _ in range(6):
+        scale.update([np.float32(1.0)])
+        values.append(number(scale()))
+    assert values == [
+        initial,
+        initial * 2,
+        initial * 2,
+        largest,
+        largest,
+        largest,
+    ]
+    assert np.isfinite(values[-1])
