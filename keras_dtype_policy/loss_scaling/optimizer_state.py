@@ -96,21 +96,28 @@ def saved_names(values):
 def roles(optimizer):
     """Returns, for each variable of `optimizer`, the name of its role.
 
-    A slot's role is its slot name (`momentum`, `velocity`); any other
-    variable's is its own name (`iteration`, `learning_rate`,
-    `dynamic_scale`). A loss-scale optimizer's variables are its own, then
-    its inner optimizer's.
+    A slot's role is its slot name (`momentum`, `velocity`: its name less
+    the path of the variable it belongs to); any other variable's is its
+    own name (`iteration`, `learning_rate`, `dynamic_scale`). A loss-scale
+    optimizer's variables are its own, then its inner optimizer's.
     """
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
         own = list(getattr(optimizer, "_variables", ()))
         return [v.name for v in own] + roles(inner)
     trainables = list(getattr(optimizer, "_trainable_variables", None) or ())
-    slot_names = {
-        id(variable): slot
-        for variable, slot in _slots_by_name(optimizer, trainables) or ()
-    }
-    return [slot_names.get(id(v), v.name) for v in optimizer.variables]
+    # Longest first: `dense_kernel_` before `dense_`.
+    prefixes = sorted(
+        (f"{t.path.replace('/', '_')}_" for t in trainables),
+        key=len,
+        reverse=True,
+    )
+    result = []
+    for variable in optimizer.variables:
+        name = variable.name
+        prefix = next((p for p in prefixes if name.startswith(p)), "")
+        result.append(name[len(prefix) :] or name)
+    return result
 
 
 def _saved_before_build(values):
