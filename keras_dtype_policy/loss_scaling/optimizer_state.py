@@ -459,11 +459,19 @@ def keep_pending_values(optimizer, values, set_at_once=None):
         set_at_once = []
         if first is not None and first.shape == () and first.dtype.kind in "iu":
             set_at_once = [(optimizer.iterations, first)]
-    optimizer._values_before_pending = [
+    before = [
         (variable, np.array(variable.numpy())) for variable, _ in set_at_once
     ]
+
+    def put_back():
+        for variable, value in before:
+            variable.assign(value)
+
+    # A function, not a list: Keras tracks the variables in a list set as
+    # an optimizer's attribute as its own.
+    optimizer._put_back_before_pending = put_back
     for variable, value in set_at_once:
-        variable.assign(np.asarray(value))
+        variable.assign(np.array(value))
 
 
 def named(array, name):
@@ -488,14 +496,14 @@ def apply_pending_values(holder, optimizer):
     if pending is None:
         return
     holder._pending_saved_values = None
-    before = getattr(holder, "_values_before_pending", None) or ()
-    holder._values_before_pending = None
+    put_back = getattr(holder, "_put_back_before_pending", None)
+    holder._put_back_before_pending = None
     with outside_tracing():
         try:
             optimizer.set_weights(pending)
         except OptimizerStateMismatch as error:
-            for variable, value in before:
-                variable.assign(value)
+            if put_back is not None:
+                put_back()
             warnings.warn(
                 f"{error} The optimizer starts from fresh state.",
                 stacklevel=3,
