@@ -11,7 +11,11 @@ AdamW saved, Adam reloaded), it is restored exactly, which
 Keras alone does not do for a task (it drops it). The expectations are the
 same on every backend.
 
-Tiny models built from config: nothing is downloaded.
+Tiny models built from config: nothing is downloaded. keras-hub is not in
+the backends' test environments (it pulls TensorFlow and tensorflow-text):
+`tox -e keras-hub` runs this file once per backend. Measured on a 2-core
+machine shared with other jobs (load about 8): about 2 minutes on torch,
+3.5 on JAX and 9 on TensorFlow for the six cases.
 """
 
 import warnings
