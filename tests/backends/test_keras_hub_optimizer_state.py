@@ -14,8 +14,9 @@ same on every backend.
 Tiny models built from config: nothing is downloaded. keras-hub is not in
 the backends' test environments (it pulls TensorFlow and tensorflow-text):
 `tox -e keras-hub` runs this file once per backend. Measured for the six
-cases on a 2-core machine shared with other jobs (load 6 to 9): 2 minutes
-on torch, 3.5 to 16 on JAX and 9 on TensorFlow.
+cases on a 2-core machine: 72 s on JAX when idle; shared with other jobs
+(load 6 to 9), 1.5 to 2 minutes on torch, 3.5 to 16 on JAX, 9 on
+TensorFlow.
 """
 
 import warnings
