@@ -210,35 +210,41 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Accepted: the layout `save_own_variables` writes, which is that of
         Keras' own `LossScaleOptimizer` (the skipped-step count, if saved,
         comes from its own store); all variables, as earlier releases
-        saved them; a tf.keras 2 file's inner optimizer state, after which
-        the scale starts from `initial_scale`. An optimizer not built yet
-        keeps the values until it is.
+        saved them; the inner optimizer's state alone (Keras 3 or tf.keras 2
+        layout), after which the scale starts from `initial_scale`. An
+        optimizer not built yet keeps the values until it is. Values that
+        fit none of these layouts (another optimizer's, another model's)
+        are skipped with Keras' warning, and nothing is assigned.
         """
         values = optimizer_state.store_values(store)
-        if not self.built and values:
-            self._keep_pending_values(values)
-        elif not (self.built and self._assign_saved(values)):
+        if not values:
             super().load_own_variables(store)
+        elif not self.built:
+            self._keep_pending_values(values)
+        elif not self._assign_saved(values):
+            optimizer_state.warn_mismatch(self, values)
 
     def set_weights(self, weights):
         """Sets the optimizer's values, in any layout `load_own_variables`
-        accepts."""
+        accepts.
+
+        Raises:
+            ValueError: (an `OptimizerStateMismatch`) if `weights` fit none
+                of them; nothing is assigned then.
+        """
         weights = list(weights)
         if not self.built:
             self._keep_pending_values(weights)
         elif not self._assign_saved(weights):
-            raise ValueError(
-                f"Cannot set {len(weights)} values on an optimizer with "
-                f"{len(self.variables)} variables (or its inner optimizer's "
-                f"{len(self.inner_optimizer.variables)})."
-            )
+            raise optimizer_state.mismatch(self, weights)
 
     def _keep_pending_values(self, values):
         """Keeps values for the build; sets the inner step count now."""
-        optimizer_state.keep_pending_values(self, values, set_iterations=False)
         step = _saved_inner_step(values)
+        at_once = []
         if step is not None:
-            self.inner_optimizer.iterations.assign(step)
+            at_once = [(self.inner_optimizer.iterations, step)]
+        optimizer_state.keep_pending_values(self, values, set_at_once=at_once)
 
     def _keras_layout(self):
         """This optimizer's variables but the skipped-step count."""
@@ -246,12 +252,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [v for v in self.variables if v is not skipped]
 
     def _assign_saved(self, values):
+        """Assigns `values` if they fit a layout; returns whether they did.
+
+        The layouts: all variables, Keras' (all but the skipped-step
+        count), then the inner optimizer's own (see
+        `optimizer_state.assign_optimizer_values`). Shapes, kinds of dtype
+        and, where saved, names are checked before anything is assigned.
+        """
+        names = optimizer_state.saved_names(values)
         values = [np.asarray(v) for v in values]
-        for targets in (self.variables, self._keras_layout()):
-            if optimizer_state.fits(targets, values):
+        roles = optimizer_state.roles(self)
+        skipped = getattr(self, "skipped_step_counter", None)
+        keras_roles = [
+            role
+            for role, variable in zip(roles, self.variables, strict=True)
+            if variable is not skipped
+        ]
+        layouts = (
+            (self.variables, roles),
+            (self._keras_layout(), keras_roles),
+        )
+        for targets, target_roles in layouts:
+            if optimizer_state.fits(targets, values, names, target_roles):
                 for variable, value in zip(targets, values, strict=True):
                     variable.assign(value)
                 return True
+        if names is not None:
+            values = [
+                optimizer_state.named(v, n)
+                for v, n in zip(values, names, strict=True)
+            ]
         return optimizer_state.assign_optimizer_values(
             self.inner_optimizer, values
         )

@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import functools
 import types
+import warnings
 
 import keras
 import numpy as np
@@ -37,17 +38,25 @@ def assign_optimizer_values(optimizer, values):
     place for are dropped, and state that tf.keras did not save is derived
     from the rest where it can be (see `_derive_unsaved_state`).
 
+    A layout fits when it has as many places as there are values, each of
+    the value's shape and kind of dtype (integer, floating point, boolean),
+    and, where the values carry the names they were saved under (an .h5
+    file's datasets), each name ends with the name of its place's role
+    (`iteration`, `learning_rate`, a slot's name). Nothing is assigned
+    unless a layout fits.
+
     Args:
         optimizer: A built `keras.optimizers.Optimizer` (not a wrapper).
         values: The saved arrays, in saved order.
 
     Returns:
-        True if the values fitted one of the two layouts and were assigned,
+        True if the values fitted one of the layouts and were assigned,
         False (and nothing assigned) otherwise.
     """
-    variables = list(optimizer.variables)
+    names = saved_names(values)
     values = [np.asarray(v) for v in values]
-    if fits(variables, values):
+    variables = list(optimizer.variables)
+    if fits(variables, values, names, roles(optimizer)):
         targets = variables
     elif _saved_before_build(values):
         targets = [optimizer.iterations]
@@ -65,6 +74,52 @@ def assign_optimizer_values(optimizer, values):
     return True
 
 
+def saved_names(values):
+    """Returns the name each value was saved under, or None if unknown.
+
+    Only an .h5 file's datasets (and the arrays `keep_pending_values` kept
+    of them) carry a name: the optimizer variable's path in a Keras 3 file,
+    `<optimizer>/<variable>/<slot>:0` in a tf.keras 2 one. A `.keras` or
+    `.weights.h5` store numbers its values instead.
+    """
+    names = []
+    for value in values:
+        name = getattr(value, "saved_name", None)
+        if name is None and not isinstance(value, np.ndarray):
+            name = getattr(value, "name", None)
+        if not isinstance(name, str) or name.rsplit("/", 1)[-1].isdigit():
+            return None
+        names.append(name.removeprefix("/optimizer_weights/"))
+    return names
+
+
+def roles(optimizer):
+    """Returns, for each variable of `optimizer`, the name of its role.
+
+    A slot's role is its slot name (`momentum`, `velocity`: its name less
+    the path of the variable it belongs to); any other variable's is its
+    own name (`iteration`, `learning_rate`, `dynamic_scale`). A loss-scale
+    optimizer's variables are its own, then its inner optimizer's.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        own = list(getattr(optimizer, "_variables", ()))
+        return [v.name for v in own] + roles(inner)
+    trainables = list(getattr(optimizer, "_trainable_variables", None) or ())
+    # Longest first: `dense_kernel_` before `dense_`.
+    prefixes = sorted(
+        (f"{t.path.replace('/', '_')}_" for t in trainables),
+        key=len,
+        reverse=True,
+    )
+    result = []
+    for variable in optimizer.variables:
+        name = variable.name
+        prefix = next((p for p in prefixes if name.startswith(p)), "")
+        result.append(name[len(prefix) :] or name)
+    return result
+
+
 def _saved_before_build(values):
     """True for what a tf.keras 2 optimizer saved before its first step.
 
@@ -72,7 +127,11 @@ def _saved_before_build(values):
     iteration count alone: there are no slots yet, so the optimizer keeps
     its freshly built ones.
     """
-    return len(values) == 1 and values[0].shape == ()
+    return (
+        len(values) == 1
+        and values[0].shape == ()
+        and values[0].dtype.kind in "iu"
+    )
 
 
 class _Dropped:
@@ -172,10 +231,101 @@ def _derive_unsaved_state(optimizer):
     u_product.assign(np.asarray(value, dtype=u_product.dtype))
 
 
-def fits(targets, values):
-    """Returns True if `values` match `targets` in number and shapes."""
-    return len(targets) == len(values) and all(
-        tuple(t.shape) == v.shape for t, v in zip(targets, values, strict=True)
+def fits(targets, values, names=None, target_roles=None):
+    """Returns True if `values` fit `targets`.
+
+    They fit when they are as many, each value has its target's shape and
+    kind of dtype, and (where `names` and `target_roles` are both given)
+    each saved name ends with its target's role.
+
+    Args:
+        targets: Variables, or placeholders with a shape and no dtype.
+        values: Arrays.
+        names: Optional names the values were saved under.
+        target_roles: Optional role names of the targets (see `roles`).
+    """
+    if len(targets) != len(values):
+        return False
+    for target, value in zip(targets, values, strict=True):
+        if tuple(target.shape) != np.shape(value):
+            return False
+        dtype = getattr(target, "dtype", None)
+        if dtype is not None and _dtype_kind(dtype) != _dtype_kind(
+            np.asarray(value).dtype
+        ):
+            return False
+    if names is None or target_roles is None:
+        return True
+    return all(
+        _name_has_role(name, role)
+        for name, role in zip(names, target_roles, strict=True)
+    )
+
+
+def _name_has_role(name, role):
+    last = name.rsplit("/", 1)[-1]
+    return last == role or last.endswith(f"_{role}")
+
+
+def _dtype_kind(dtype):
+    """ "f" for floating point (bfloat16 and float8 too), "i" for integers,
+    "b" for booleans, the dtype's name otherwise."""
+    name = keras.backend.standardize_dtype(dtype)
+    if name.startswith(("float", "bfloat")):
+        return "f"
+    if name.startswith(("int", "uint")):
+        return "i"
+    return name
+
+
+class OptimizerStateMismatch(ValueError):
+    """Saved optimizer values that fit none of an optimizer's layouts."""
+
+
+def mismatch(optimizer, values):
+    """Returns the error for `values` that do not fit `optimizer`.
+
+    Its message begins as Keras' own warning for saved optimizer state it
+    skips, and names both layouts: the optimizer's variables (name, shape,
+    dtype) and the saved values (name where saved, shape, dtype).
+    """
+    names = saved_names(values)
+    arrays = [np.asarray(v) for v in values]
+    variables = list(optimizer.variables)
+    ours = _describe(
+        [v.name for v in variables],
+        [tuple(v.shape) for v in variables],
+        [keras.backend.standardize_dtype(v.dtype) for v in variables],
+    )
+    saved = _describe(
+        names or [f"#{i}" for i in range(len(arrays))],
+        [a.shape for a in arrays],
+        [str(a.dtype) for a in arrays],
+    )
+    return OptimizerStateMismatch(
+        f"Skipping variable loading for optimizer '{optimizer.name}', "
+        f"because its {len(variables)} variables do not match the "
+        f"{len(arrays)} saved values (in number, shapes, dtypes or names): "
+        "the saved state belongs to another optimizer or another model. "
+        f"The optimizer has: {ours}. The saved optimizer has: {saved}."
+    )
+
+
+def _describe(names, shapes, dtypes, limit=12):
+    items = [
+        f"{name} {tuple(shape)} {dtype}"
+        for name, shape, dtype in zip(names, shapes, dtypes, strict=True)
+    ]
+    if len(items) > limit:
+        items = items[:limit] + [f"... ({len(items) - limit} more)"]
+    return "[" + ", ".join(items) + "]"
+
+
+def warn_mismatch(optimizer, values):
+    """Warns, as Keras does, that saved optimizer state is skipped."""
+    warnings.warn(
+        f"{mismatch(optimizer, values)} The optimizer starts from fresh state.",
+        stacklevel=3,
     )
 
 
@@ -234,9 +384,16 @@ def teach_tf_keras_layout(optimizer):
     until the optimizer is built for real (see `defers_build`), and the
     saved weights with it (the iteration count is set at once). State loaded
     into an optimizer not built yet (`load_weights` or BackupAndRestore
-    before the first step, where Keras alone drops it with a warning) also
-    waits for the build. Every other input goes to the class' own methods,
-    unchanged.
+    before the first step, or a keras-hub task's fresh optimizer, where
+    Keras alone drops it with a warning) also waits for the build.
+
+    Saved values are checked against the optimizer before anything is
+    assigned (see `assign_optimizer_values`). Values that fit none of its
+    layouts, saved by another optimizer or for another model, are skipped
+    as Keras skips them: `load_own_variables` and the build warn (naming
+    both layouts) and the optimizer keeps its fresh state, while
+    `set_weights`, called directly, raises `OptimizerStateMismatch` (a
+    `ValueError`, as Keras' own), having assigned nothing.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer`.
@@ -254,54 +411,103 @@ def teach_tf_keras_layout(optimizer):
 
     def load_own_variables(self, store):
         values = store_values(store)
-        if not self.built and values:
+        if not values:
+            optimizer_class.load_own_variables(self, store)
+        elif not self.built:
             # `load_weights` before the first step: kept for the build.
             keep_pending_values(self, values)
-        elif not (self.built and assign_optimizer_values(self, values)):
-            optimizer_class.load_own_variables(self, store)
+        elif not assign_optimizer_values(self, values):
+            warn_mismatch(self, values)
 
     def set_weights(self, weights):
         weights = list(weights)
         if not self.built:
             keep_pending_values(self, weights)
         elif not assign_optimizer_values(self, weights):
-            optimizer_class.set_weights(self, weights)
+            raise mismatch(self, weights)
 
     for method in (build, load_own_variables, set_weights):
         setattr(optimizer, method.__name__, types.MethodType(method, optimizer))
 
 
-def keep_pending_values(optimizer, values, set_iterations=True):
+class _NamedArray(np.ndarray):
+    """A saved array that keeps the name it was saved under."""
+
+    saved_name = None
+
+
+def keep_pending_values(optimizer, values, set_at_once=None):
     """Keeps values for when the optimizer is built.
 
     Args:
         optimizer: The optimizer that will receive the values.
-        values: The saved arrays.
-        set_iterations: Whether the first value, the saved step count of a
-            plain optimizer, is assigned to `optimizer.iterations` at once.
-            A loss-scale optimizer's first value is its own count, not its
-            inner optimizer's, so it passes False.
+        values: The saved arrays (names they were saved under are kept).
+        set_at_once: Pairs of (variable, value) to assign now, such as the
+            saved step count, which a learning-rate schedule reads before
+            the first step. They are put back as they were if the values
+            turn out not to fit the built optimizer. Defaults to the first
+            value into `optimizer.iterations`, if it is an integer scalar
+            (the step count of a plain optimizer).
     """
-    optimizer._pending_saved_values = [np.array(v) for v in values]
-    first = np.asarray(values[0]) if values else None
-    if not set_iterations or first is None:
-        return
-    if first.shape == () and first.dtype.kind in "iu":
-        optimizer.iterations.assign(first)
+    names = saved_names(values)
+    kept = [np.array(v) for v in values]
+    if names is not None:
+        kept = [named(v, n) for v, n in zip(kept, names, strict=True)]
+    optimizer._pending_saved_values = kept
+    if set_at_once is None:
+        first = kept[0] if kept else None
+        set_at_once = []
+        if first is not None and first.shape == () and first.dtype.kind in "iu":
+            set_at_once = [(optimizer.iterations, first)]
+    before = [
+        (variable, np.array(variable.numpy())) for variable, _ in set_at_once
+    ]
+
+    def put_back():
+        for variable, value in before:
+            variable.assign(value)
+
+    # A function, not a list: Keras tracks the variables in a list set as
+    # an optimizer's attribute as its own.
+    optimizer._put_back_before_pending = put_back
+    for variable, value in set_at_once:
+        variable.assign(np.array(value))
+
+
+def named(array, name):
+    """Returns `array` carrying the name it was saved under."""
+    result = array.view(_NamedArray)
+    result.saved_name = name
+    return result
 
 
 def apply_pending_values(holder, optimizer):
     """Assigns the values `holder` kept, if any, to the built `optimizer`.
+
+    Values that do not fit it are skipped with Keras' warning (naming both
+    layouts), and what `keep_pending_values` set at once is put back: the
+    optimizer starts from fresh state, as with Keras alone.
 
     On TensorFlow the first training step builds the optimizer while its
     `tf.function` is traced; the values are assigned at once all the same,
     not as part of the step (which would assign them again at every step).
     """
     pending = getattr(holder, "_pending_saved_values", None)
-    if pending is not None:
-        holder._pending_saved_values = None
-        with outside_tracing():
+    if pending is None:
+        return
+    holder._pending_saved_values = None
+    put_back = getattr(holder, "_put_back_before_pending", None)
+    holder._put_back_before_pending = None
+    with outside_tracing():
+        try:
             optimizer.set_weights(pending)
+        except OptimizerStateMismatch as error:
+            if put_back is not None:
+                put_back()
+            warnings.warn(
+                f"{error} The optimizer starts from fresh state.",
+                stacklevel=3,
+            )
 
 
 @contextlib.contextmanager
