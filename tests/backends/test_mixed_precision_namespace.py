@@ -224,11 +224,12 @@ def test_experimental_repr(policy_class):
 def test_experimental_config(arguments):
     # Policy.from_config keeps the loss scale, default or not.
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # float32 with a scale
+        # A scale on a policy that is not float16 warns (tested elsewhere).
+        warnings.simplefilter("ignore", UserWarning)
         policy = kdp.Policy(*arguments)
-    revived = mixed_precision.experimental.Policy.from_config(
-        policy.get_config()
-    )
+        revived = mixed_precision.experimental.Policy.from_config(
+            policy.get_config()
+        )
     assert str(revived) == str(policy)
 
 
