@@ -164,7 +164,23 @@ def set_policy(policy):
         policy = Policy.create(policy)
     elif isinstance(policy, str):
         policy = DTypePolicy(policy)
-    elif not isinstance(policy, keras.DTypePolicy):
+    install_global_policy(policy, stacklevel=4)
+
+
+def install_global_policy(policy, stacklevel=3):
+    """Checks a policy object and makes it the global policy.
+
+    Args:
+        policy: A `keras.DTypePolicy` that computes in a floating dtype (or
+            infers its dtype).
+        stacklevel: Where the slow-float16 warning points: 3 is this
+            function's caller, 4 the caller's caller.
+
+    Raises:
+        TypeError: if `policy` is not a `keras.DTypePolicy`.
+        ValueError: if it does not compute in a floating dtype.
+    """
+    if not isinstance(policy, keras.DTypePolicy):
         raise TypeError(
             "`policy` must be a policy name, a DTypePolicy or None. "
             f"Received: policy={policy!r} (of type {type(policy).__name__})"
@@ -179,7 +195,7 @@ def set_policy(policy):
             'floating-point policies, such as "float32" and '
             f'"mixed_float16", but got policy: {policy.name}'
         )
-    hardware.warn_if_float16_is_slow(policy)
+    hardware.warn_if_float16_is_slow(policy, stacklevel=stacklevel)
     keras.config.set_dtype_policy(policy)
 
 

@@ -38,7 +38,7 @@ def set_global_policy(policy):
         policy = Policy(keras.config.floatx())
     elif isinstance(policy, str):
         policy = Policy(policy)
-    legacy_policy.set_policy(policy)
+    legacy_policy.install_global_policy(policy, stacklevel=4)
 
 
 def global_policy():
