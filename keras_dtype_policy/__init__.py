@@ -102,6 +102,7 @@ else:
 
 if _backend_error is None:
     from keras_dtype_policy import experimental
+    from keras_dtype_policy import mixed_precision
     from keras_dtype_policy.loss_scaling.callbacks import LossScaleMonitor
     from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
     from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
@@ -159,6 +160,7 @@ __all__ = [
     "install",
     "is_installed",
     "load_model",
+    "mixed_precision",
     "model_from_json",
     "policy_scope",
     "precision_scope",

@@ -1,37 +1,27 @@
 """The tf.keras mixed-precision API: `Policy`, `set_policy`, `global_policy`.
 
-`Policy` is tf.keras' experimental policy: a `DTypePolicy` that also names a
-loss scale, and that accepts the "infer" policies of TensorFlow 1.
+`Policy` is tf.keras' experimental policy (TensorFlow 2.3's): tf.keras 2.4+'s
+`Policy` that also names a loss scale.
 """
 
 import warnings
 
 import keras
 
+from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
 from keras_dtype_policy.loss_scaling.loss_scale import serialize_loss_scale
 from keras_dtype_policy.policies import hardware
-from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.tf_keras_compat import tf_keras_policy
+from keras_dtype_policy.tf_keras_compat.tf_keras_policy import INFER_POLICIES
 
-# Infer policies: name -> variable dtype (None: the inferred dtype).
-INFER_POLICIES = {
-    "infer": None,
-    "_infer": None,
-    "infer_with_float32_vars": "float32",
-}
-# What an infer_with_float32_vars policy becomes once its input is seen.
-_FLOAT32_VARS_NAMES = {
-    "float16": "mixed_float16",
-    "bfloat16": "mixed_bfloat16",
-    "float32": "float32",
-}
 _AUTO = "auto"
 
 
 @register
-class Policy(DTypePolicy):
+class Policy(tf_keras_policy.Policy):
     """The deprecated tf.keras policy with a loss scale.
 
     Prefer `keras_dtype_policy.DTypePolicy`, and a `LossScaleOptimizer` for
@@ -98,50 +88,10 @@ class Policy(DTypePolicy):
             )
         self._loss_scale = get_loss_scale(loss_scale)
 
-    def _parse_name(self, name):
-        if isinstance(name, str) and name in INFER_POLICIES:
-            return None, INFER_POLICIES[name]
-        return policy_names.parse_policy_name(name)
-
     @property
     def loss_scale(self):
         """The loss scale of this policy: a loss-scale value, or None."""
         return self._loss_scale
-
-    @property
-    def should_cast_variables(self):
-        """True if variables are cast to another dtype for computations."""
-        return self.variable_dtype != self.compute_dtype
-
-    @property
-    def infers(self):
-        """True until an infer policy has seen its first input."""
-        return self._compute_dtype is None
-
-    def convert_input(self, x, autocast, dtype):
-        if self.infers:
-            self._infer_from(x)
-            dtype = self._compute_dtype
-        return super().convert_input(x, autocast, dtype)
-
-    def _infer_from(self, x):
-        """Takes the dtype of the first input as this policy's dtype."""
-        leaves = [leaf for leaf in keras.tree.flatten(x) if leaf is not None]
-        if not leaves:
-            return
-        first = leaves[0]
-        dtype = getattr(first, "dtype", None)
-        dtype = keras.backend.standardize_dtype(
-            dtype if dtype is not None else type(first)
-        )
-        variable_dtype = self._variable_dtype or dtype
-        if self._variable_dtype is None:
-            name = dtype
-        else:
-            name = _FLOAT32_VARS_NAMES.get(dtype, self._name)
-        self._name = name
-        self._compute_dtype = dtype
-        self._variable_dtype = variable_dtype
 
     def get_config(self):
         """Returns the name, and the loss scale unless it is the default.
@@ -183,12 +133,17 @@ class Policy(DTypePolicy):
         return hash((self._policy_kind, self.name, self.loss_scale))
 
     def __repr__(self):
-        return f'<Policy "{self.name}", loss_scale={self.loss_scale!r}>'
+        return (
+            f'<Policy "{self.name}", '
+            f"loss_scale={_loss_scale_repr(self.loss_scale)}>"
+        )
 
 
-def fresh_infer_policy(policy):
-    """Returns an unresolved copy of an infer policy for one layer."""
-    return Policy.create(policy.name, policy.loss_scale)
+def _loss_scale_repr(loss_scale):
+    """TensorFlow 2.3's repr of a loss scale: `FixedLossScale(2.0)`."""
+    if isinstance(loss_scale, FixedLossScale):
+        return f"FixedLossScale({loss_scale.get_config()['loss_scale_value']})"
+    return repr(loss_scale)
 
 
 def set_policy(policy):
@@ -209,7 +164,23 @@ def set_policy(policy):
         policy = Policy.create(policy)
     elif isinstance(policy, str):
         policy = DTypePolicy(policy)
-    elif not isinstance(policy, keras.DTypePolicy):
+    install_global_policy(policy, stacklevel=4)
+
+
+def install_global_policy(policy, stacklevel=3):
+    """Checks a policy object and makes it the global policy.
+
+    Args:
+        policy: A `keras.DTypePolicy` that computes in a floating dtype (or
+            infers its dtype).
+        stacklevel: Where the slow-float16 warning points: 3 is this
+            function's caller, 4 the caller's caller.
+
+    Raises:
+        TypeError: if `policy` is not a `keras.DTypePolicy`.
+        ValueError: if it does not compute in a floating dtype.
+    """
+    if not isinstance(policy, keras.DTypePolicy):
         raise TypeError(
             "`policy` must be a policy name, a DTypePolicy or None. "
             f"Received: policy={policy!r} (of type {type(policy).__name__})"
@@ -224,7 +195,7 @@ def set_policy(policy):
             'floating-point policies, such as "float32" and '
             f'"mixed_float16", but got policy: {policy.name}'
         )
-    hardware.warn_if_float16_is_slow(policy)
+    hardware.warn_if_float16_is_slow(policy, stacklevel=stacklevel)
     keras.config.set_dtype_policy(policy)
 
 

@@ -6,6 +6,7 @@ from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.registration import PACKAGE
 from keras_dtype_policy.tf_keras_compat import legacy_policy
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import tf_keras_policy
 
 
 def make_from_config(original_from_config):
@@ -102,8 +103,10 @@ def make_get(original_get):
     def get(identifier):
         if identifier is None:
             identifier = keras.config.dtype_policy()
-        if isinstance(identifier, legacy_policy.Policy) and identifier.infers:
-            return legacy_policy.fresh_infer_policy(identifier)
+        if isinstance(identifier, tf_keras_policy.Policy) and (
+            identifier.infers
+        ):
+            return identifier.unresolved_copy()
         if isinstance(identifier, str) and (
             identifier in legacy_policy.INFER_POLICIES
             or identifier in policy_names.REMOVED_POLICIES

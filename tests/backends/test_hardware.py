@@ -137,9 +137,10 @@ def test_the_backend_lists_a_cpu_and_its_devices():
     [
         kdp.set_dtype_policy,
         kdp.set_policy,
+        kdp.mixed_precision.set_global_policy,
         lambda name: kdp.policy_scope(name).__enter__(),
     ],
-    ids=["set_dtype_policy", "set_policy", "policy_scope"],
+    ids=["set_dtype_policy", "set_policy", "set_global_policy", "policy_scope"],
 )
 def test_float16_on_a_cpu_warns_once_pointing_at_the_caller(
     set_policy, monkeypatch

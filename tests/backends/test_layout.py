@@ -3,9 +3,9 @@
 The policy core imports no other wing; loss scaling imports the core;
 tf.keras 2 compatibility imports the core and loss scaling; the tools may
 import every wing; no wing imports the tools. The top-level modules
-(`__init__`, `experimental`, `patches`) assemble the wings (`__init__`
-exports the audit, a tool). Imports inside
-functions count too: a lazy import is still a dependency.
+(`__init__`, `experimental`, `mixed_precision`, `patches`) assemble the
+wings (`__init__` exports the audit, a tool). Imports inside functions
+count too: a lazy import is still a dependency.
 """
 
 import ast
@@ -26,7 +26,13 @@ ALLOWED = {
     # The tools read the package version from the top-level package.
     "tools": {"policies", "loss_scaling", "tf_keras_compat", ""},
 }
-TOP_LEVEL_MODULES = {"__init__", "__main__", "experimental", "patches"}
+TOP_LEVEL_MODULES = {
+    "__init__",
+    "__main__",
+    "experimental",
+    "mixed_precision",
+    "patches",
+}
 
 
 def imported_package_modules(path):
