@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tools import cli
 
 X = np.random.default_rng(1).standard_normal((64, 6)).astype("float32")
@@ -221,10 +221,13 @@ def leaf_count(model):
     )
 
 
-def policies_by_path(model):
+def policies_by_path(copy, model):
+    """The policies of a copy's layers, by their paths in `model`."""
     return {
         path: layer.dtype_policy.name
-        for path, layer in introspection.layer_paths(model)
+        for layer, path in rules_application.zip_layer_paths(
+            copy, model, "the test"
+        )
     }
 
 
@@ -267,9 +270,9 @@ def test_a_nested_functional_model_is_audited_layer_by_layer():
 def test_the_recommended_rules_change_exactly_the_flagged_paths():
     model = nested_model()
     table = kdp.audit(model, "mixed_float16", x=X)
-    before = policies_by_path(kdp.apply_rules(model, table.rules))
+    before = policies_by_path(kdp.apply_rules(model, table.rules), model)
     fixed = kdp.apply_rules(model, table.recommended_rules)
-    after = policies_by_path(fixed)
+    after = policies_by_path(fixed, model)
     changed = sorted(path for path in after if after[path] != before[path])
     # The outer `boom` shares the flagged layer's name, not its path.
     assert changed == ["inner/boom", "inner/shrink"]
