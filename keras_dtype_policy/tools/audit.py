@@ -684,7 +684,8 @@ def _weight_gradients(model, x, y, loss):
 
 
 def _generated_inputs(model, samples, seed):
-    """Inputs in the structure of `model.input` (a dict for keras-hub)."""
+    """Inputs in the structure of the model's inputs (a dict for
+    keras-hub)."""
     rng = np.random.default_rng(seed)
 
     def generate(tensor):
@@ -699,7 +700,12 @@ def _generated_inputs(model, samples, seed):
             return rng.standard_normal((samples, *shape), "float32")
         return rng.integers(0, 2, (samples, *shape)).astype(dtype)
 
-    return keras.tree.map_structure(generate, model.input)
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):  # a Sequential model has no `input`
+        structure = model.inputs
+        structure = structure[0] if len(structure) == 1 else structure
+    return keras.tree.map_structure(generate, structure)
 
 
 def _first(data, count):
