@@ -433,8 +433,8 @@ def _check_model(model):
         inputs = None
     if not inputs:
         raise ValueError(
-            "The audit reads each layer's output through the model's "
-            "graph: `model` must be a functional or Sequential model built "
+            "The audit runs the model on inputs shaped as its own: "
+            "`model` must be a functional or Sequential model built "
             f"on keras.Input. Received: model={model.name!r} "
             f"({type(model).__name__})"
         )
