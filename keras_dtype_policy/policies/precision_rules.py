@@ -1,4 +1,4 @@
-"""Precision rules: which policy each layer gets, by class and by name.
+"""Precision rules: which policy each layer gets, by class, name or path.
 
 A `PrecisionRules` holds a default policy and a list of `PrecisionRule`s;
 the last rule that matches a layer decides its policy, so rules added later
@@ -75,8 +75,16 @@ class PrecisionRule:
     """One rule: the layers it matches, and the policy they get.
 
     A layer matches when its class (or a base class) is one of `layers`
-    (if given) and its name matches one of the `names` patterns (if
-    given); at least one of the two must be given.
+    (if given), its name matches one of the `names` patterns (if given)
+    and its path matches one of the `paths` patterns (if given); at least
+    one of the three must be given.
+
+    A layer's path is the names of the layers that hold it and its own,
+    joined by "/", from the model down and without the model's name:
+    `"bert_backbone/transformer_layer_0/self_attention_layer/query"`. It is
+    known only in a built model, so rules with `paths` act in
+    `apply_rules` and `load_model(..., rules=)`, and match nothing in
+    `precision_scope`, where a layer is created before it has a place.
 
     Args:
         policy: The policy for matching layers: a name such as `"float32"`
@@ -85,6 +93,8 @@ class PrecisionRule:
             match too.
         names: Patterns in `fnmatch` syntax (`"*logits*"`) matched against
             the layer's name.
+        paths: Patterns in `fnmatch` syntax matched against the layer's
+            path in the model (`"encoder/*/query"`).
         why: Why the rule exists, for people.
 
     Example:
@@ -98,23 +108,32 @@ class PrecisionRule:
     layers: tuple = ()
     names: tuple = ()
     why: str = ""
+    paths: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "policy", float_policy("policy", self.policy))
         object.__setattr__(self, "layers", _class_names(self.layers))
         object.__setattr__(self, "names", _strings("names", self.names))
-        if not self.layers and not self.names:
+        object.__setattr__(self, "paths", _strings("paths", self.paths))
+        if not self.layers and not self.names and not self.paths:
             raise ValueError(
-                "A PrecisionRule needs `layers`, `names` or both. Received: "
-                f"layers={self.layers!r}, names={self.names!r}"
+                "A PrecisionRule needs `layers`, `names` or `paths`. "
+                f"Received: layers={self.layers!r}, names={self.names!r}, "
+                f"paths={self.paths!r}"
             )
         if not isinstance(self.why, str):
             raise TypeError(
                 f"`why` must be a string. Received: why={self.why!r}"
             )
 
-    def matches(self, layer):
-        """Returns True if the rule applies to `layer`."""
+    def matches(self, layer, path=None):
+        """Returns True if the rule applies to `layer`.
+
+        Args:
+            layer: A layer.
+            path: Its path in the model, or None where it has none (a
+                rule with `paths` then does not match).
+        """
         if self.layers:
             bases = {cls.__name__ for cls in type(layer).__mro__}
             if not bases.intersection(self.layers):
@@ -123,16 +142,25 @@ class PrecisionRule:
             name = getattr(layer, "name", "") or ""
             if not any(fnmatch.fnmatchcase(name, p) for p in self.names):
                 return False
+        if self.paths:
+            if path is None:
+                return False
+            if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
+                return False
         return True
 
     def get_config(self):
-        """Returns the rule as a JSON-serializable dict."""
-        return {
+        """Returns the rule as a JSON-serializable dict (`paths` only
+        where the rule has some)."""
+        config = {
             "policy": self.policy.name,
             "layers": list(self.layers),
             "names": list(self.names),
             "why": self.why,
         }
+        if self.paths:
+            config["paths"] = list(self.paths)
+        return config
 
 
 class PrecisionRules:
@@ -179,19 +207,25 @@ class PrecisionRules:
         """The rules, in order (the last matching one wins)."""
         return self._rules
 
-    def policy_for(self, layer):
-        """Returns the `DTypePolicy` that the rules give `layer`."""
-        for rule in reversed(self._rules):
-            if rule.matches(layer):
-                return rule.policy
-        return self._default
+    def policy_for(self, layer, path=None):
+        """Returns the `DTypePolicy` that the rules give `layer`.
 
-    def rule_for(self, layer):
+        `path` is the layer's path in its model, for rules with `paths`.
+        """
+        rule = self.rule_for(layer, path)
+        return self._default if rule is None else rule.policy
+
+    def rule_for(self, layer, path=None):
         """Returns the rule that decides `layer`'s policy, or None."""
         for rule in reversed(self._rules):
-            if rule.matches(layer):
+            if rule.matches(layer, path):
                 return rule
         return None
+
+    @property
+    def uses_paths(self):
+        """True if some rule matches on layer paths."""
+        return any(rule.paths for rule in self._rules)
 
     def extend(self, *rules):
         """Returns new rules with `rules` added last (they win)."""

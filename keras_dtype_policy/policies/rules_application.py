@@ -5,15 +5,22 @@ rules (through the `Layer.__init__` patch in `patches.py`, which calls
 `on_layer_created`). `apply_rules` and `rebuild` make a new model from a
 built one, every layer's policy chosen anew and the weights copied (cast
 where a variable's dtype changes).
+
+Rules that match on a layer's path (`PrecisionRule(paths=...)`) need the
+path of a layer while it is created, before it has a place in the model:
+`rebuild` then builds the copy twice, and the first copy tells, for each
+layer in the order they are created, its path.
 """
 
 import contextlib
+import copy
 import inspect
 import threading
 
 import keras
 import numpy as np
 
+from keras_dtype_policy.policies import introspection
 from keras_dtype_policy.policies import precision_rules
 
 _state = threading.local()
@@ -151,18 +158,22 @@ def apply_rules(model, rules, keep_float32=True):
     """
     rules = _as_rules(rules)
     _check_model(model)
-    return rebuild(model, rules_chooser(model, rules, keep_float32))
+    return rebuild(
+        model,
+        rules_chooser(model, rules, keep_float32),
+        with_paths=rules.uses_paths,
+    )
 
 
 def rules_chooser(model, rules, keep_float32=True):
     """Returns the chooser that `rebuild` needs to apply `rules`."""
     pinned = keep_float32 and float32_is_pinned(model)
 
-    def chooser(layer, requested_dtype):
+    def chooser(layer, requested_dtype, path=None):
         current = layer.dtype_policy
         if pinned and current.compute_dtype == "float32":
             return None
-        return rules.policy_for(layer)
+        return rules.policy_for(layer, path)
 
     return chooser
 
@@ -176,14 +187,24 @@ def float32_is_pinned(model):
     )
 
 
-def rebuild(model, chooser):
+def rebuild(model, chooser, with_paths=False):
     """Returns a copy of `model` with each layer's policy from `chooser`.
+
+    A functional model in the copy (a keras-hub backbone or task too)
+    casts no input with its own policy, and keras-hub's set theirs from
+    their config after their layers are made: each ends with the policy
+    `chooser` gives it, or where that is None the one most of its leaf
+    layers have, so that it reports what its layers compute in.
 
     Args:
         model: A built `keras.Model`.
-        chooser: `chooser(layer, requested_dtype)` returns the policy of
-            a newly created layer (its policy is still the one the config
-            gives), or None to keep that.
+        chooser: `chooser(layer, requested_dtype, path)` returns the policy
+            of a newly created layer (its policy is still the one the
+            config gives), or None to keep that. `path` is the layer's
+            path in the copy (see `introspection.layer_paths`) with
+            `with_paths`, else None.
+        with_paths: Whether `chooser` needs paths (the copy is then built
+            twice).
 
     Returns:
         A new `keras.Model`, with `model`'s weights.
@@ -191,18 +212,140 @@ def rebuild(model, chooser):
     _check_model(model)
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
-    with _choosing(lambda layer, dtype: chooser(layer, dtype)):
-        new = keras.saving.deserialize_keras_object(config)
+    paths = _creation_paths(model, config) if with_paths else None
+    created = []
+    choices = {}
+
+    def choose(layer, dtype):
+        path = None
+        if paths is not None:
+            path = _path_of_created(model, paths, len(created), layer)
+        created.append(layer)
+        choices[id(layer)] = chooser(layer, dtype, path)
+        return choices[id(layer)]
+
+    with _choosing(choose):
+        new = _deserialize(model, config)
+    _copy_weights(model, new)
+    _set_container_policies(new, choices)
+    compile_config = model.get_compile_config() if model.compiled else None
+    if compile_config:
+        new.compile_from_config(_without_needless_scaling(compile_config, new))
+    return new
+
+
+def _deserialize(model, config):
+    # Some from_config methods (keras-hub's tasks) write into the config.
+    new = keras.saving.deserialize_keras_object(copy.deepcopy(config))
     if not new.built:
         raise ValueError(
             f"The copy of model {model.name!r} could not be built from its "
             "config; build it with known input shapes first"
         )
-    _copy_weights(model, new)
-    compile_config = model.get_compile_config() if model.compiled else None
-    if compile_config:
-        new.compile_from_config(_without_needless_scaling(compile_config, new))
     return new
+
+
+def _creation_paths(model, config):
+    """Returns `(class name, path)` of each layer in the order a copy of
+    `model` creates them.
+
+    The path is the one the layer's counterpart has in `model` (a layer
+    that Keras names as it creates it gets another name in each copy), or
+    None for a layer the copy does not hold.
+    """
+    created = []
+
+    def record(layer, dtype):
+        created.append(layer)
+
+    with _choosing(record):
+        copy = _deserialize(model, config)
+    paths = {
+        id(layer): path
+        for layer, path in zip_layer_paths(copy, model, "rules with `paths`")
+    }
+    return [(type(layer).__name__, paths.get(id(layer))) for layer in created]
+
+
+def zip_layer_paths(copy, model, purpose):
+    """Returns `(layer of copy, path in model)` for each layer of a copy.
+
+    Args:
+        copy: A copy of `model` built from its config.
+        model: The model whose paths name the layers.
+        purpose: What needs the pairs, for the error.
+
+    Raises:
+        RuntimeError: if the copy holds other layers than `model`.
+    """
+    ours = introspection.layer_paths(model)
+    theirs = introspection.layer_paths(copy)
+    classes = [type(layer).__name__ for _, layer in ours]
+    if classes != [type(layer).__name__ for _, layer in theirs]:
+        raise RuntimeError(
+            f"A copy of model {model.name!r} built from its config holds "
+            f"other layers than the model ({len(theirs)} instead of "
+            f"{len(ours)}, or in another order): {purpose} cannot be "
+            "matched to its layers"
+        )
+    return [
+        (layer, path)
+        for (_, layer), (path, _) in zip(theirs, ours, strict=True)
+    ]
+
+
+def _path_of_created(model, paths, index, layer):
+    if index >= len(paths) or paths[index][0] != type(layer).__name__:
+        raise RuntimeError(
+            f"Model {model.name!r} creates its layers in another order each "
+            "time it is built from its config, so rules with `paths` cannot "
+            f"be applied to it (layer {index} is {layer.name!r})"
+        )
+    return paths[index][1]
+
+
+def _set_container_policies(model, choices):
+    """Gives each functional model in `model` (itself included) the policy
+    chosen for it, or where none was the one most of its leaves have.
+
+    A functional model converts its inputs to its `Input`s' dtypes, not
+    with its own policy, so its policy changes no computation; keras-hub
+    backbones and tasks set theirs from their config after their layers
+    are made, and would keep reporting the old one.
+    """
+    containers = [model] + [
+        layer for _, layer in introspection.layer_paths(model)
+    ]
+    for container in containers:
+        if not _is_functional(container):
+            continue
+        chosen = choices.get(id(container))
+        if chosen is not None:
+            if container.dtype_policy.name != chosen.name:
+                container._dtype_policy = chosen
+            continue
+        leaves = [
+            layer
+            for path, layer in introspection.layer_paths(container)
+            if introspection.is_leaf(layer)
+        ]
+        if not leaves:
+            continue
+        counts = {}
+        for leaf in leaves:
+            counts.setdefault(leaf.dtype_policy.name, [0, leaf.dtype_policy])
+            counts[leaf.dtype_policy.name][0] += 1
+        name, (_, policy) = max(counts.items(), key=lambda item: item[1][0])
+        if container.dtype_policy.name != name:
+            container._dtype_policy = policy
+
+
+def _is_functional(layer):
+    """True for a functional model (Keras' own class, or a subclass such
+    as keras-hub's): one that does not cast its inputs with its policy."""
+    return isinstance(layer, keras.Model) and not getattr(
+        layer, "_convert_input_args", True
+    )
 
 
 def _without_needless_scaling(compile_config, model):

@@ -1,15 +1,18 @@
 """The numerics audit: a model under a candidate policy, next to float32.
 
 The model is rebuilt twice, all in float32 and under the candidate policy
-(or rules), and both copies run on the same inputs. For each top-level
-layer the audit measures how far its output drifts from float32, which
-float32 values its compute dtype cannot hold (overflow to infinity, flush
-to zero) and, with labels and a loss, which weight gradients flush to zero
-in that dtype without loss scaling and at the scale a dynamic
-`LossScaleOptimizer` would settle on. `docs/precision-rules-and-audit.md`
-explains each number.
+(or rules), and both copies run on the same inputs. For each layer that
+computes something itself (a leaf layer, inside nested models and layers
+too, and a layer that holds weights of its own besides its sublayers),
+found by its path in the model, the audit measures how far its output
+drifts from float32, which float32 values its compute dtype cannot hold
+(overflow to infinity, flush to zero) and, with labels and a loss, which
+weight gradients flush to zero in that dtype without loss scaling and at
+the scale a dynamic `LossScaleOptimizer` would settle on.
+`docs/precision-rules-and-audit.md` explains each number.
 """
 
+import contextlib
 import dataclasses
 import glob
 import math
@@ -18,6 +21,7 @@ import os
 import keras
 import numpy as np
 
+from keras_dtype_policy.policies import introspection
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import load_override
@@ -34,6 +38,10 @@ class LayerAudit:
 
     Attributes:
         name: The layer's name.
+        path: Its path in the audited model: the names of the layers that
+            hold it and its own, joined by "/"
+            (`"bert_backbone/transformer_layer_0/self_attention_layer/query"`),
+            what `PrecisionRule(paths=...)` matches.
         class_name: The layer's class.
         compute_dtype: Its compute dtype under the candidate policy.
         relative_error: `|candidate - float32| / |float32|` of its output
@@ -56,6 +64,7 @@ class LayerAudit:
     """
 
     name: str
+    path: str
     class_name: str
     compute_dtype: str
     relative_error: float
@@ -72,13 +81,15 @@ class LayerAudit:
 class AuditTable:
     """The audit of one model under one candidate policy.
 
-    Iterate over it for its `LayerAudit` rows; `row(name)` finds one.
+    Iterate over it for its `LayerAudit` rows; `row(path)` finds one.
 
     Attributes:
         model_name: The audited model's name.
         rules: The candidate `PrecisionRules` (a bare policy is rules with
             no exceptions).
-        rows: One `LayerAudit` per top-level layer, in order.
+        rows: One `LayerAudit` per layer that computes something itself:
+            every leaf layer (one that holds no other), and every layer
+            with weights of its own besides its sublayers; depth first.
         samples: The number of input samples.
         generated_inputs: Whether the inputs were generated (standard
             normal floats, integers 0 and 1) rather than given.
@@ -86,8 +97,10 @@ class AuditTable:
         loss_scale: The loss scale of the gradient columns, or None.
         safe: The verdict: the candidate policy is safe for this model.
         reasons: Why it is not, one line each.
-        recommended_rules: The candidate rules extended with float32 for
-            every layer the audit flags (the candidate rules if none).
+        recommended_rules: The candidate rules extended with a rule that
+            gives float32 to the paths of the layers the audit flags (the
+            candidate rules if none); `apply_rules` applies it to exactly
+            those layers.
     """
 
     model_name: str
@@ -108,15 +121,24 @@ class AuditTable:
 
     @property
     def keep_float32(self):
-        """The names of the layers the audit recommends float32 for."""
-        return [row.name for row in self.rows if row.keep_float32]
+        """The paths of the layers the audit recommends float32 for."""
+        return [row.path for row in self.rows if row.keep_float32]
 
-    def row(self, name):
-        """Returns the `LayerAudit` of the layer named `name`."""
+    def row(self, path):
+        """Returns the `LayerAudit` of the layer at `path`, or of the one
+        layer named `path`."""
         for row in self.rows:
-            if row.name == name:
+            if row.path == path:
                 return row
-        raise KeyError(f"No layer named {name!r} in the audit")
+        named = [row for row in self.rows if row.name == path]
+        if len(named) == 1:
+            return named[0]
+        if named:
+            raise KeyError(
+                f"{len(named)} layers are named {path!r}; give a path: "
+                f"{[row.path for row in named]}"
+            )
+        raise KeyError(f"No layer at {path!r} in the audit")
 
     def __iter__(self):
         return iter(self.rows)
@@ -162,7 +184,7 @@ class AuditTable:
         )
         rows = [
             (
-                row.name,
+                row.path,
                 row.class_name,
                 row.compute_dtype,
                 _error(row.relative_error),
@@ -197,7 +219,7 @@ class AuditTable:
             lines += [f"  - {reason}" for reason in self.reasons]
         for row in self.rows:
             if row.keep_float32:
-                lines.append(f"keep in float32: {row.name}: {row.reason}")
+                lines.append(f"keep in float32: {row.path}: {row.reason}")
         if self.keep_float32:
             base = "rules"
             if not len(self.rules):
@@ -206,7 +228,7 @@ class AuditTable:
                 "apply the recommended rules (`recommended_rules` in Python,"
                 " in JSON with --json):",
                 f"  rules = {base}.extend(",
-                '      kdp.PrecisionRule("float32", names='
+                '      kdp.PrecisionRule("float32", paths='
                 f"{self.keep_float32!r}))",
                 "  model = kdp.apply_rules(model, rules)",
             ]
@@ -222,7 +244,7 @@ class AuditTable:
         matplotlib.use("Agg")
         from matplotlib import pyplot
 
-        names = [row.name for row in self.rows]
+        names = [row.path for row in self.rows]
         positions = np.arange(len(names))
         figure, (top, bottom) = pyplot.subplots(
             2, 1, figsize=(max(6, len(names) * 0.6), 6), sharex=True
@@ -274,9 +296,15 @@ def audit(
 ):
     """Audits a model's numerics under a candidate policy against float32.
 
+    Every layer that computes something is audited, also inside nested
+    models and layers (a keras-hub backbone, a `MultiHeadAttention`): the
+    audit runs the model and records what each such layer's `call`
+    receives and returns.
+
     Args:
-        model: A built functional or Sequential `keras.Model`, or the path
-            of a `.keras` or `.h5` file.
+        model: A built functional or Sequential `keras.Model` (a keras-hub
+            task or backbone too), or the path of a `.keras` or `.h5`
+            file.
         policy: The candidate policy name; `"mixed_float16"` when neither
             `policy` nor `rules` is given.
         rules: A `PrecisionRules` as the candidate instead.
@@ -326,8 +354,8 @@ def audit(
 
     reference = rules_application.apply_rules(model, "float32", False)
     candidate = rules_application.apply_rules(model, candidate_rules, True)
-    reference_layers = _audited_layers(reference)
-    candidate_layers = _audited_layers(candidate)
+    reference_layers = _audited_layers(reference, model)
+    candidate_layers = _audited_layers(candidate, model)
     ref_values, ref_final = _run(reference, reference_layers, x, batch_size)
     cand_values, cand_final = _run(candidate, candidate_layers, x, batch_size)
 
@@ -337,18 +365,19 @@ def audit(
             reference, _first(x, batch_size), _first(y, batch_size), loss
         )
     uses_float16 = any(
-        layer.compute_dtype == "float16" for layer, _, _ in candidate_layers
+        layer.compute_dtype == "float16" for layer, _ in candidate_layers
     )
     scale = None
     if gradients is not None and uses_float16:
         scale = _loss_scale(gradients.values())
 
     rows = []
-    for index, (layer, _, _) in enumerate(reference_layers):
+    for index, (layer, path) in enumerate(reference_layers):
         dtype = candidate_layers[index][0].compute_dtype
         rows.append(
             _layer_row(
                 layer,
+                path,
                 dtype,
                 ref_values[index],
                 cand_values[index][1],
@@ -361,19 +390,19 @@ def audit(
     reasons = []
     for row in rows:
         if row.keep_float32:
-            reasons.append(f"{row.name}: {row.reason}")
+            reasons.append(f"{row.path}: {row.reason}")
     if not math.isfinite(output_error) or output_error > max_relative_error:
         reasons.append(
             f"the output's relative error {_error(output_error)} exceeds "
             f"{max_relative_error:g}"
         )
     recommended = candidate_rules
-    flagged = [row.name for row in rows if row.keep_float32]
+    flagged = [row.path for row in rows if row.keep_float32]
     if flagged:
         recommended = candidate_rules.extend(
             precision_rules.PrecisionRule(
                 "float32",
-                names=tuple(glob.escape(name) for name in flagged),
+                paths=tuple(glob.escape(path) for path in flagged),
                 why="the numerics audit: these layers' values do not fit "
                 f"{candidate_rules.default.compute_dtype}",
             )
@@ -404,56 +433,100 @@ def _check_model(model):
         inputs = None
     if not inputs:
         raise ValueError(
-            "The audit reads each layer's output through the model's "
-            "graph: `model` must be a functional or Sequential model built "
+            "The audit runs the model on inputs shaped as its own: "
+            "`model` must be a functional or Sequential model built "
             f"on keras.Input. Received: model={model.name!r} "
             f"({type(model).__name__})"
         )
 
 
-def _audited_layers(model):
-    """Returns `(layer, flat inputs, flat outputs)` per top-level layer."""
-    found = []
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        try:
-            inputs = keras.tree.flatten(layer.input)
-            outputs = keras.tree.flatten(layer.output)
-        except (AttributeError, ValueError):
-            continue  # a layer called more than once has no one output
-        found.append((layer, inputs, outputs))
-    return found
+def _audited_layers(copy, model):
+    """Returns `(layer of copy, path in model)` per audited layer: the
+    leaves, and the layers with weights of their own, depth first."""
+    return [
+        (layer, path)
+        for layer, path in rules_application.zip_layer_paths(
+            copy, model, "the audit's rows"
+        )
+        if introspection.is_leaf(layer) or introspection.own_weights(layer)
+    ]
 
 
 def _run(model, layers, x, batch_size):
     """Returns `(inputs, outputs)` of each layer, then the model's outputs.
 
-    Every value is a NumPy array.
+    The model runs on `x` batch by batch, each layer's `call` replaced
+    for the while by one that records the floating-point tensors it
+    receives (masks left out) and returns, on every call. Every value is
+    a flat list of NumPy arrays.
     """
-    tensors = []
-    for _, inputs, outputs in layers:
-        tensors += inputs + outputs
-    model_outputs = keras.tree.flatten(model.outputs)
-    probe = keras.Model(model.inputs, tensors + model_outputs)
-    values = probe.predict(x, batch_size=batch_size, verbose=0)
-    values = [np.asarray(v) for v in keras.tree.flatten(values)]
-    grouped = []
-    index = 0
-    for _, inputs, outputs in layers:
-        middle = index + len(inputs)
-        end = middle + len(outputs)
-        grouped.append((values[index:middle], values[middle:end]))
-        index = end
-    return grouped, values[index:]
+    records = [([], []) for _ in layers]
+    finals = []
+    with _recording(layers, records):
+        for start in range(0, _length(x), batch_size):
+            batch = keras.tree.map_structure(
+                lambda a, s=start: keras.ops.convert_to_tensor(
+                    np.asarray(a)[s : s + batch_size]
+                ),
+                x,
+            )
+            outputs = model(batch, training=False)
+            finals += [_numpy(v) for v in keras.tree.flatten(outputs)]
+    return records, finals
 
 
-def _layer_row(layer, dtype, ref, cand_out, gradients, scale, tolerance):
+@contextlib.contextmanager
+def _recording(layers, records):
+    for (layer, _), (inputs, outputs) in zip(layers, records, strict=True):
+        object.__setattr__(
+            layer, "call", _recorder(layer.call, inputs, outputs)
+        )
+    try:
+        yield
+    finally:
+        for layer, _ in layers:
+            layer.__dict__.pop("call", None)
+
+
+def _recorder(call, inputs, outputs):
+    def recording_call(*args, **kwargs):
+        result = call(*args, **kwargs)
+        given = [args] + [
+            value for key, value in kwargs.items() if "mask" not in key
+        ]
+        inputs.extend(_float_values(given))
+        outputs.extend(_float_values(result))
+        return result
+
+    return recording_call
+
+
+def _float_values(structure):
+    values = []
+    for value in keras.tree.flatten(structure):
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or not hasattr(value, "shape"):
+            continue
+        try:
+            dtype = keras.backend.standardize_dtype(dtype)
+        except ValueError:
+            continue
+        if keras.backend.is_float_dtype(dtype):
+            values.append(_numpy(value))
+    return values
+
+
+def _numpy(value):
+    return np.asarray(keras.ops.convert_to_numpy(value)).astype("float64")
+
+
+def _layer_row(layer, path, dtype, ref, cand_out, gradients, scale, tolerance):
     ref_in, ref_out = ref
     reference = _flat(ref_out)
     candidate = _flat(cand_out)
     row = LayerAudit(
         name=layer.name,
+        path=path,
         class_name=type(layer).__name__,
         compute_dtype=dtype,
         relative_error=_relative_error(ref_out, cand_out),
@@ -463,8 +536,9 @@ def _layer_row(layer, dtype, ref, cand_out, gradients, scale, tolerance):
         ),
         flush_to_zero=_flush(reference, dtype, 1.0),
     )
-    if gradients is not None and layer.trainable_weights:
-        grads = [gradients[id(v)] for v in layer.trainable_weights]
+    weights = _audited_weights(layer)
+    if gradients is not None and weights:
+        grads = [gradients[id(v)] for v in weights]
         grads = np.concatenate([g.reshape(-1) for g in grads])
         row.gradient_underflow = _flush(grads, dtype, 1.0)
         if scale is not None:
@@ -492,6 +566,13 @@ def _layer_row(layer, dtype, ref, cand_out, gradients, scale, tolerance):
     row.keep_float32 = bool(reasons)
     row.reason = "; ".join(reasons)
     return row
+
+
+def _audited_weights(layer):
+    """A leaf's trainable weights; a container's own trainable ones."""
+    if introspection.is_leaf(layer):
+        return layer.trainable_weights
+    return [w for w in introspection.own_weights(layer) if w.trainable]
 
 
 def _flat(arrays):
@@ -603,9 +684,11 @@ def _weight_gradients(model, x, y, loss):
 
 
 def _generated_inputs(model, samples, seed):
+    """Inputs in the structure of the model's inputs (a dict for
+    keras-hub)."""
     rng = np.random.default_rng(seed)
-    arrays = []
-    for tensor in model.inputs:
+
+    def generate(tensor):
         shape = tuple(tensor.shape)[1:]
         if any(dim is None for dim in shape):
             raise ValueError(
@@ -614,10 +697,15 @@ def _generated_inputs(model, samples, seed):
             )
         dtype = keras.backend.standardize_dtype(tensor.dtype)
         if keras.backend.is_float_dtype(dtype):
-            arrays.append(rng.standard_normal((samples, *shape), "float32"))
-        else:
-            arrays.append(rng.integers(0, 2, (samples, *shape)).astype(dtype))
-    return arrays[0] if len(arrays) == 1 else arrays
+            return rng.standard_normal((samples, *shape), "float32")
+        return rng.integers(0, 2, (samples, *shape)).astype(dtype)
+
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):  # a Sequential model has no `input`
+        structure = model.inputs
+        structure = structure[0] if len(structure) == 1 else structure
+    return keras.tree.map_structure(generate, structure)
 
 
 def _first(data, count):

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+from keras_dtype_policy.policies.introspection import own_weights
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.tf_keras_compat import model_files
@@ -115,12 +116,6 @@ def layer_rows(model):
 
     walk(model, "")
     return rows
-
-
-def own_weights(layer):
-    """Returns the weights of `layer` that none of its sublayers holds."""
-    held = {id(w) for child in sublayers(layer) for w in child.weights}
-    return [w for w in layer.weights if id(w) not in held]
 
 
 def optimizer_info(model):

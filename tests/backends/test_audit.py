@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tools import cli
 
 X = np.random.default_rng(1).standard_normal((64, 6)).astype("float32")
@@ -63,9 +64,10 @@ def test_the_audit_finds_the_overflowing_layer(overflowing_audit):
 
 def test_the_recommended_rules_make_the_policy_safe(overflowing_audit):
     rules = overflowing_audit.recommended_rules
-    assert rules.policy_for(keras.layers.Dense(1, name="boom")).name == (
-        "float32"
-    )
+    # The rule names the layer's path: the layer alone, by its place.
+    boom = keras.layers.Dense(1, name="boom")
+    assert rules.policy_for(boom, "boom").name == "float32"
+    assert rules.policy_for(boom).name == "mixed_float16"
     fixed = kdp.apply_rules(overflowing_model(), rules)
     again = kdp.audit(fixed, rules=rules, x=X)
     assert again.row("boom").compute_dtype == "float32"
@@ -163,9 +165,10 @@ def test_the_command_reports_and_exits_3_when_unsafe(overflowing_file, capsys):
     assert boom[0]["overflow"] > 0.5
     assert boom[0]["gradient_underflow"] is not None
     rules = kdp.PrecisionRules.from_config(report["recommended_rules"])
-    assert rules.policy_for(keras.layers.Dense(1, name="boom")).name == (
-        "float32"
-    )
+    # The rule names the layer's path: the layer alone, by its place.
+    boom = keras.layers.Dense(1, name="boom")
+    assert rules.policy_for(boom, "boom").name == "float32"
+    assert rules.policy_for(boom).name == "mixed_float16"
 
 
 def test_the_command_prints_a_table_for_a_safe_policy(overflowing_file, capsys):
@@ -202,3 +205,149 @@ def test_the_command_reports_bad_options_in_one_line(
     status = cli.main(["audit", str(path), *args])
     assert status in (1, 2)
     assert fragment in capsys.readouterr().err
+
+
+# Nested models and layers: the audit reads the layers inside them.
+
+
+def leaf_count(model):
+    """Counts the leaf layers the way Keras walks a model, apart from the
+    audit's own walk."""
+    return sum(
+        1
+        for layer in model._flatten_layers(include_self=False)
+        if not isinstance(layer, keras.layers.InputLayer)
+        and not list(layer._flatten_layers(include_self=False))
+    )
+
+
+def policies_by_path(copy, model):
+    """The policies of a copy's layers, by their paths in `model`."""
+    return {
+        path: layer.dtype_policy.name
+        for layer, path in rules_application.zip_layer_paths(
+            copy, model, "the test"
+        )
+    }
+
+
+def nested_model():
+    """A functional model inside a functional model; `boom` overflows
+    float16 inside it, and the outer model has a harmless `boom` too."""
+    inner_inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="sigmoid", name="hidden")(inner_inputs)
+    x = keras.layers.Dense(8, name="boom")(x)
+    x = keras.layers.Rescaling(2.0**-10, name="shrink")(x)
+    inner = keras.Model(inner_inputs, x, name="inner")
+    boom = inner.get_layer("boom")
+    boom.kernel.assign(np.full(boom.kernel.shape, 1e5, "float32"))
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="boom")(inner(inputs))
+    outputs = keras.layers.Dense(3, name="head")(x)
+    return keras.Model(inputs, outputs, name="outer")
+
+
+def test_a_nested_functional_model_is_audited_layer_by_layer():
+    model = nested_model()
+    table = kdp.audit(model, "mixed_float16", x=X)
+    paths = [row.path for row in table]
+    assert paths == [
+        "inner/hidden",
+        "inner/boom",
+        "inner/shrink",
+        "boom",
+        "head",
+    ]
+    assert len(table) == leaf_count(model)
+    assert table.row("inner/boom").overflow > 0.5
+    assert table.keep_float32 == ["inner/boom", "inner/shrink"]
+    assert not table.row("boom").keep_float32
+    assert table.row("hidden") is table.row("inner/hidden")
+    with pytest.raises(KeyError, match="No layer at 'nothing'"):
+        table.row("nothing")
+
+
+def test_the_recommended_rules_change_exactly_the_flagged_paths():
+    model = nested_model()
+    table = kdp.audit(model, "mixed_float16", x=X)
+    before = policies_by_path(kdp.apply_rules(model, table.rules), model)
+    fixed = kdp.apply_rules(model, table.recommended_rules)
+    after = policies_by_path(fixed, model)
+    changed = sorted(path for path in after if after[path] != before[path])
+    # The outer `boom` shares the flagged layer's name, not its path.
+    assert changed == ["inner/boom", "inner/shrink"]
+    assert after["inner/boom"] == "float32" and after["boom"] == (
+        "mixed_float16"
+    )
+    again = kdp.audit(fixed, rules=table.recommended_rules, x=X)
+    assert again.safe, again.reasons
+
+
+@keras.saving.register_keras_serializable(package="test_audit")
+class GatedBlock(keras.layers.Layer):
+    """A subclassed layer with two sublayers and a weight of its own."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.up = keras.layers.Dense(units, activation="relu", name="up")
+        self.down = keras.layers.Dense(units, name="down")
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(
+            shape=(self.units,), initializer="ones", name="gain"
+        )
+        self.up.build(input_shape)
+        self.down.build((*input_shape[:-1], self.units))
+
+    def call(self, x):
+        return self.down(self.up(x)) * self.gain
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_a_subclassed_layer_is_audited_through_its_sublayers():
+    inputs = keras.Input((6,))
+    x = GatedBlock(name="block")(inputs)
+    outputs = keras.layers.Dense(3, name="head")(x)
+    model = keras.Model(inputs, outputs)
+    table = kdp.audit(model, "mixed_float16", x=X, y=Y, loss="mse")
+    # The block holds `gain` itself: it has a row of its own, next to its
+    # leaves, and its gradient column covers `gain` alone.
+    assert [row.path for row in table] == [
+        "block",
+        "block/up",
+        "block/down",
+        "head",
+    ]
+    assert len(table) == leaf_count(model) + 1
+    assert [row.class_name for row in table][:3] == [
+        "GatedBlock",
+        "Dense",
+        "Dense",
+    ]
+    assert all(row.compute_dtype == "float16" for row in table)
+    assert all(row.gradient_underflow is not None for row in table)
+    assert table.row("block/up").relative_error < 1e-2
+    assert table.safe, table.reasons
+
+
+def test_multi_head_attention_is_audited_through_its_projections():
+    inputs = keras.Input((4, 8))
+    x = keras.layers.MultiHeadAttention(2, 4, name="attention")(inputs, inputs)
+    model = keras.Model(inputs, x)
+    data = np.random.default_rng(2).standard_normal((16, 4, 8))
+    table = kdp.audit(model, rules=kdp.float16_rules(), x=data)
+    assert len(table) == leaf_count(model)
+    paths = [row.path for row in table]
+    assert len(set(paths)) == len(paths)
+    for name in ("query", "key", "value", "attention_output"):
+        row = table.row(f"attention/{name}")
+        assert row.class_name == "EinsumDense"
+        assert row.compute_dtype == "float16"
+        assert row.relative_error < 1e-2
+    (softmax,) = [row for row in table if row.class_name == "Softmax"]
+    assert softmax.path.startswith("attention/")
+    assert softmax.compute_dtype == "float32"  # float16_rules keep it there
+    assert table.safe, table.reasons

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.policies import introspection
 from keras_dtype_policy.policies import rules_application
 
 RULES = kdp.PrecisionRules("mixed_float16").extend(
@@ -106,11 +107,80 @@ def test_a_rule_matches_class_and_name_together_and_subclasses():
         ({"policy": "nope", "names": "x"}, ValueError, "policy='nope'"),
         ({"policy": "float32", "layers": [3]}, TypeError, "layers=[3]"),
         ({"policy": "float32", "names": [None]}, TypeError, "names=[None]"),
+        ({"policy": "float32", "paths": [1]}, TypeError, "paths=[1]"),
     ],
 )
 def test_bad_rules_name_the_argument(kwargs, error, fragment):
     with pytest.raises(error, match=fragment.replace("[", r"\[")):
         kdp.PrecisionRule(**kwargs)
+
+
+def test_a_path_rule_matches_by_place_and_never_without_a_path():
+    rule = kdp.PrecisionRule("float32", paths="encoder/*/query")
+    query = keras.layers.Dense(1, name="query")
+    assert rule.matches(query, "encoder/layer_0/query")
+    assert not rule.matches(query, "decoder/layer_0/query")
+    assert not rule.matches(query)  # in a scope: no place yet
+    both = kdp.PrecisionRule("float32", names="query", paths="encoder/*")
+    assert not both.matches(keras.layers.Dense(1, name="key"), "encoder/key")
+    rules = kdp.PrecisionRules("mixed_float16", [rule])
+    assert rules.uses_paths and not kdp.float16_rules().uses_paths
+    again = kdp.PrecisionRules.from_config(rules.get_config())
+    assert again == rules and again.rules[0].paths == ("encoder/*/query",)
+    assert "paths" not in kdp.float16_rules().get_config()["rules"][0]
+
+
+def nested_encoder_model():
+    def block(name):
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(4, name="query")(inputs)
+        x = keras.layers.Dense(4, name="out")(x)
+        return keras.Model(inputs, x, name=name)
+
+    inputs = keras.Input((4,))
+    x = block("layer_0")(inputs)
+    x = block("layer_1")(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="query")(x))
+
+
+def test_apply_rules_matches_paths_inside_nested_models(tmp_path):
+    model = nested_encoder_model()
+    rules = kdp.PrecisionRules("mixed_float16").extend(
+        kdp.PrecisionRule("float32", paths="layer_1/query")
+    )
+    for copy in (
+        kdp.apply_rules(model, rules),
+        kdp.load_model(_saved(model, tmp_path), rules=rules),
+    ):
+        policies = {
+            path: layer.dtype_policy.name for path, layer in kdp_paths(copy)
+        }
+        assert policies == {
+            "layer_0": "mixed_float16",
+            "layer_0/query": "mixed_float16",
+            "layer_0/out": "mixed_float16",
+            "layer_1": "mixed_float16",
+            "layer_1/query": "float32",
+            "layer_1/out": "mixed_float16",
+            "query": "mixed_float16",
+        }
+        x = np.ones((2, 4), "float32")
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(copy(x)).astype("float32"),
+            keras.ops.convert_to_numpy(model(x)),
+            rtol=1e-2,
+            atol=1e-2,
+        )
+
+
+def _saved(model, folder):
+    path = folder / "nested.keras"
+    model.save(path)
+    return path
+
+
+def kdp_paths(model):
+    return introspection.layer_paths(model)
 
 
 def test_rules_config_round_trip():
