@@ -98,8 +98,8 @@ def test_the_fixtures_cover_each_architecture_policy_and_optimizer():
     wrappers = {
         r["optimizer"]["python_class"] for r in records if "optimizer" in r
     }
-    assert "LossScaleOptimizer" in wrappers
-    assert wrappers - {"LossScaleOptimizer"}, "none without a wrapper"
+    assert "LossScaleOptimizerV3" in wrappers
+    assert wrappers - {"LossScaleOptimizerV3"}, "none without a wrapper"
     assert any(r["optimizer_kind"] is None for r in records)
     assert {r["nested"] for r in records} >= {"frozen", "fine_tuned"}
 
@@ -140,16 +140,26 @@ def loaded_policies(model):
 
 
 def saved_policies(model, name):
+    """The saved policies, under the names Keras 3 gives the layers.
+
+    Keras 3 refuses "/" in a layer name: DenseNet121's "conv1/conv" loads
+    as "conv1_conv".
+    """
     nested = {layer.name for layer in model.layers if hasattr(layer, "layers")}
-    skipped = nested | {
+    inputs = {
         layer.name
-        for model_or_layer in [model, *(model.get_layer(n) for n in nested)]
-        for layer in model_or_layer.layers
+        for outer in [model, *(model.get_layer(n) for n in nested)]
+        for layer in outer.layers
         if isinstance(layer, keras.layers.InputLayer)
     }
     expected = {}
     for key, policy in MANIFEST[name]["layer_policies"].items():
-        if key in skipped or key.rsplit("/", 1)[-1] in skipped:
+        outer, _, inner = key.partition("/")
+        if inner and outer in nested:
+            key = f"{outer}/{inner.replace('/', '_')}"
+        else:
+            key = key.replace("/", "_")
+        if key in nested or key.rsplit("/", 1)[-1] in inputs:
             continue
         expected[key] = policy
     return expected
@@ -210,9 +220,10 @@ def test_a_fine_tuned_nested_model_keeps_which_layers_train(extracted):
     model = kdp.load_model(extracted(ISSUE_CASE))
     base = model.get_layer("mobilenetv2_0.35_96")
     assert base.trainable
-    frozen = [layer.trainable for layer in base.layers[:100]]
-    assert not any(frozen)
-    assert all(layer.trainable for layer in base.layers[100:])
+    # tf.keras' guide froze base.layers[:100]; those with weights matter.
+    trainable = [layer.trainable for layer in base.layers if layer.weights]
+    frozen = len([layer for layer in base.layers[:100] if layer.weights])
+    assert trainable == [False] * frozen + [True] * (len(trainable) - frozen)
 
 
 @needs_tensorflow
