@@ -401,21 +401,45 @@ class _Graph:
         return [child_id for _, child_id in sorted(found)]
 
     def layer_weights(self, node_id):
-        """A layer's `(name, value)`s in the order of tf.keras' `weights`.
+        """A layer's `(name, value)`s in the order of tf.keras' `.h5` files.
 
-        tf-keras saves that list as the layer's `variables` child (unless
-        the model was saved with `save_traces=False`); otherwise it is
-        rebuilt from the layer's attributes as tf.keras orders it: the
-        trainable weights (each layer's own before its sublayers'), then
-        the others; a frozen layer's weights layer by layer.
+        That order is tf.keras' `trainable_weights + non_trainable_weights`.
+        A leaf layer's are read from its `variables` list, which tf-keras
+        saves in that order (unless the model was saved with
+        `save_traces=False`: then they are gathered from its attributes).
+        A nested model's are built from its layers (`layer-<i>`) as
+        tf.keras orders them: every layer's trainable weights, then every
+        layer's others (all of them, in that order, for a frozen model).
+        The checkpoint's own `variables` list of a nested model goes layer
+        by layer, which is not that order.
         """
-        listed = self.child(node_id, "variables")
-        if listed is not None:
-            ids = self._listed(listed)
-        else:
-            trainable, others = self._gather(node_id, set(), frozen=False)
-            ids = trainable + others
+        trainable, others = self._split(node_id)
+        ids = list(dict.fromkeys(trainable + others))
         return [(self.name(i), self.value(i)) for i in ids]
+
+    def _is_trainable(self, node_id):
+        return self._layer_metadata(node_id).get("trainable") is not False
+
+    def _split(self, node_id):
+        """Returns a layer's (trainable, other) weights, as node ids."""
+        sublayers = self.layer_nodes(node_id)
+        if not sublayers:
+            listed = self.child(node_id, "variables")
+            if listed is None:
+                return self._gather(node_id, set(), frozen=False)
+            ids = self._listed(listed)
+            if not self._is_trainable(node_id):
+                return [], ids
+            trainable = [i for i in ids if self._objects[i].variable.trainable]
+            return trainable, [i for i in ids if i not in trainable]
+        trainable, others = [], []
+        for sublayer in sublayers:
+            more_trainable, more_others = self._split(sublayer)
+            trainable += more_trainable
+            others += more_others
+        if not self._is_trainable(node_id):
+            return [], trainable + others
+        return trainable, others
 
     def _listed(self, node_id):
         items = []
