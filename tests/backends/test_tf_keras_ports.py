@@ -259,12 +259,11 @@ def test_docstring_loss_scale_optimizer_custom_loop():
     def loss_fn():
         return var**2
 
-    # Keras 3 optimizers have no `minimize`: the docstring's first step
-    # (var 1.0 -> 0.5) is taken by the custom loop below too.
-    for expected in (0.5, 0.25):
-        (grad,) = docstring_unscaled_gradients(opt, var, loss_fn)
-        opt.apply_gradients([(grad, var)])  # Loss scale is updated here
-        assert float(to_numpy(var)) == expected
+    opt.minimize(loss_fn, var_list=[var])  # the docstring's first step
+    assert float(to_numpy(var)) == 0.5
+    (grad,) = docstring_unscaled_gradients(opt, var, loss_fn)
+    opt.apply_gradients([(grad, var)])  # Loss scale is updated here
+    assert float(to_numpy(var)) == 0.25
     assert opt.loss_scale == 32768.0 and opt.dynamic_counter == 2
 
 
