@@ -11,6 +11,7 @@ import re
 import pytest
 
 import keras_dtype_policy
+from keras_dtype_policy.policies import keras_internals
 
 DISTRIBUTION = importlib.metadata.distribution("keras_dtype_policy")
 METADATA = DISTRIBUTION.metadata
@@ -41,9 +42,16 @@ def test_the_license_file_is_the_apache_license():
 
 
 def test_keras_has_an_upper_bound_below_the_next_untested_minor():
-    [keras] = [r for r in DISTRIBUTION.requires if re.match(r"keras\b", r)]
+    # "keras" itself, not keras-hub (the hub extra) or another keras-*.
+    [keras] = [r for r in DISTRIBUTION.requires if re.match(r"keras[<>=!~]", r)]
     bounds = set(re.sub(r"^keras", "", keras).split(","))
-    assert bounds == {">=3.12", "<3.16"}
+    assert bounds == set(keras_internals.TESTED_KERAS.split(","))
+    assert bounds == {">=3.12", "<3.17"}
+
+
+def test_keras_hub_is_only_in_the_hub_extra():
+    hub = [r for r in DISTRIBUTION.requires if r.startswith("keras-hub")]
+    assert [r.split(";")[1].strip() for r in hub] == ['extra == "hub"']
 
 
 def test_the_jax_extra_does_not_force_the_cpu_build():
