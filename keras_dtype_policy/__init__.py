@@ -135,6 +135,7 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
+    from keras_dtype_policy.tools.lost_updates import lost_updates
 
     install()
 
@@ -160,6 +161,7 @@ __all__ = [
     "install",
     "is_installed",
     "load_model",
+    "lost_updates",
     "mixed_precision",
     "model_from_json",
     "policy_scope",

@@ -13,11 +13,14 @@ class DemoChoice:
         policy: The mixed policy the demo trains under, next to float32.
         recommended: The policy `doctor` recommends for this machine.
         reason: Why `doctor` recommends it.
+        low_precision: The advice for memory-bound training
+            (`low_precision_advice`), or None where it does not fit.
     """
 
     policy: str
     recommended: str
     reason: str
+    low_precision: str = None
 
     @property
     def follows_advice(self):
@@ -41,4 +44,36 @@ def demo_choice(devices, backend=None):
     policy = recommended
     if recommended == "float32":
         policy = hardware.demo_policy(devices)
-    return DemoChoice(policy, recommended, reason)
+    return DemoChoice(
+        policy, recommended, reason, low_precision_advice(devices)
+    )
+
+
+def low_precision_advice(devices):
+    """Returns the advice for training that runs out of memory, or None.
+
+    Training with bfloat16 weights and compensated updates fits where the
+    devices Keras computes on all compute bfloat16 fast (a GPU of compute
+    capability 8.0 or higher, a TPU, a CPU with AVX512_BF16, AMX or Arm's
+    BF16): there it halves the weights and optimizer state of mixed
+    precision without the lost updates of a plain "bfloat16" policy.
+
+    Args:
+        devices: The `Device`s of the backend, as `list_devices` gives them.
+
+    Returns:
+        One sentence, or None where bfloat16 is not known to be fast.
+    """
+    targets = hardware.compute_devices(devices)
+    if not targets or any(
+        hardware.bfloat16_verdict(d).speed != hardware.FAST for d in targets
+    ):
+        return None
+    return (
+        "if training runs out of memory, bfloat16 weights with "
+        "compensated updates (the 'kahan_bfloat16' policy, or "
+        "kdp.LowPrecisionOptimizer) keep weights and Adam's state in 8 "
+        "bytes a parameter instead of mixed precision's 12, 6 with "
+        "'stochastic_bfloat16', where a plain 'bfloat16' policy loses "
+        "small updates (docs/low-precision-training.md)"
+    )

@@ -361,8 +361,8 @@ def audit(
 
     gradients = None
     if y is not None and loss is not None:
-        gradients = _weight_gradients(
-            reference, _first(x, batch_size), _first(y, batch_size), loss
+        gradients = weight_gradients(
+            reference, first_samples(x, batch_size), first_samples(y, batch_size), loss
         )
     uses_float16 = any(
         layer.compute_dtype == "float16" for layer, _ in candidate_layers
@@ -634,7 +634,7 @@ def _loss_scale(gradients):
     return scale
 
 
-def _weight_gradients(model, x, y, loss):
+def weight_gradients(model, x, y, loss):
     """Returns `{id(variable): gradient}` for the trainable variables."""
     function = keras.losses.get(loss) if isinstance(loss, str) else loss
 
@@ -708,7 +708,8 @@ def _generated_inputs(model, samples, seed):
     return keras.tree.map_structure(generate, structure)
 
 
-def _first(data, count):
+def first_samples(data, count):
+    """Returns the first `count` samples of `data` (any structure)."""
     return keras.tree.map_structure(lambda a: np.asarray(a)[:count], data)
 
 

@@ -193,6 +193,9 @@ def run_demo(
             f"says): {advice.recommended}: {advice.reason}."
         ):
             print_fn(line)
+        if advice.low_precision:
+            for line in wrap(f"Memory-bound training: {advice.low_precision}."):
+                print_fn(line)
     if plot_path is not None:
         write_plot(plot_path, runs)
         print_fn("")

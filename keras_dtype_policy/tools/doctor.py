@@ -25,7 +25,9 @@ def build_report():
         `keras_version`, `keras` (its distribution, the tested range,
         whether the version lies inside it and a verdict in words),
         `devices` (each with its float16 and bfloat16 verdicts),
-        `recommended_policy`, `reason`, `demo_policy` and `notes`.
+        `recommended_policy`, `reason`, `demo_policy`, `low_precision`
+        (the advice for memory-bound training, or None where it does not
+        fit) and `notes`.
 
     Raises:
         RuntimeError: if the backend cannot list its devices.
@@ -63,6 +65,7 @@ def build_report():
         "recommended_policy": policy,
         "reason": reason,
         "demo_policy": advice.demo_choice(devices, backend).policy,
+        "low_precision": advice.low_precision_advice(devices),
         "notes": _notes(backend, computing),
     }
 
@@ -145,6 +148,8 @@ def format_report(report):
         f"recommended policy: {report['recommended_policy']}",
     ]
     lines += wrap(f"why: {report['reason']}", indent="  ")
+    if report.get("low_precision"):
+        lines += wrap(f"memory-bound training: {report['low_precision']}")
     if report["notes"]:
         lines.append("")
         for note in report["notes"]:

@@ -47,7 +47,7 @@ def build_parser():
         nargs="+",
         choices=BENCHMARKS,
         default=list(BENCHMARKS),
-        help="Run only these benchmarks (default: all four).",
+        help="Run only these benchmarks (default: all).",
     )
     parser.add_argument(
         "--threads",

@@ -89,6 +89,7 @@ def render_backend(result):
         ("memory", _memory_section),
         ("audit", audit_section),
         ("scaling_cost", _scaling_cost_section),
+        ("low_precision", low_precision_section),
     )
     for key, section in sections:
         if key in result:
@@ -367,6 +368,100 @@ def _scaling_cost_table(results):
         "",
     ]
     return lines
+
+
+def low_precision_section(results):
+    """Returns the markdown lines of the low-precision benchmark."""
+    lines = [
+        "### 7. Training in bfloat16 with compensated updates",
+        "",
+        "Adam, the same initial weights and batches for every "
+        "configuration; score on held-out data (accuracy, or loss: lower "
+        "is better); bytes of weights + optimizer state counted from the "
+        "variables; step time over mixed_bfloat16's and plain bfloat16's "
+        "(ratio of medians over the chunks of `fit` that took turns, with "
+        "the interquartile range of the paired ratios).",
+        "",
+    ]
+    if results["unavailable"]:
+        lines += [
+            "Not run (no `LowPrecisionOptimizer` in this version): "
+            + ", ".join(results["unavailable"]),
+            "",
+        ]
+    for name, task in results["tasks"].items():
+        setup = task["setup"]
+        lines += [
+            f"{name}: {setup['description']}; {setup['steps']} steps in "
+            f"{setup['chunks']} chunks, learning rate "
+            f"{setup['learning_rate']:g}, jit_compile={setup['jit_compile']}.",
+            "",
+        ]
+        lines += low_precision_table(task)
+        lines += [""]
+        for check in task["targets"]:
+            verdict = "ok" if check["within"] else "MISSED"
+            lines.append(f"- {verdict}: {_target_text(check)}")
+        if task["targets"]:
+            lines.append("")
+    return lines
+
+
+def low_precision_table(task):
+    """Returns the markdown table of one task of the benchmark."""
+    metric = task["setup"]["metric"]
+    score = "test accuracy" if metric == "accuracy" else "test loss"
+    lines = [
+        f"| configuration | {score} | bytes/param | over mixed | ms/step "
+        "| time over mixed | time over bfloat16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in task["rows"].items():
+        value = (
+            f"{100 * row['score']:.1f}%"
+            if metric == "accuracy"
+            else f"{row['score']:.4f}"
+        )
+        over_mixed = row.get("memory_over_mixed")
+        lines.append(
+            f"| {name} | {value} "
+            f"| {row['memory']['bytes_per_parameter']:.2f} "
+            f"| {'' if over_mixed is None else f'{over_mixed:.3f}'} "
+            f"| {row['step_time']['median'] * 1e3:.3g} "
+            f"| {_paired(row.get('time_over_mixed'))} "
+            f"| {_paired(row.get('time_over_plain'))} |"
+        )
+    return lines
+
+
+def _paired(comparison):
+    if comparison is None:
+        return ""
+    paired = comparison["paired"]
+    return (
+        f"{comparison['ratio']:.3f} ({paired['q1']:.3f}-{paired['q3']:.3f})"
+    )
+
+
+def _target_text(check):
+    name = check["configuration"]
+    if check["target"] == "quality":
+        limit = "0.5" if "accuracy" in check["unit"] else "0.01"
+        return (
+            f"{name} within the quality target: {check['figure']:.4g} "
+            f"{check['unit']} (target <= {limit})"
+        )
+    if check["target"] == "plain_worse":
+        return (
+            f"plain bfloat16 visibly worse: {check['figure']:.4g} "
+            f"{check['unit']}"
+        )
+    what = "memory" if check["target"] == "memory" else "step time"
+    versus = "mixed_bfloat16" if what == "memory" else "plain bfloat16"
+    return (
+        f"{name} {what} {check['figure']:.3f} of {versus} "
+        f"(target <= {check['limit']})"
+    )
 
 
 def _thread_limit(threads):

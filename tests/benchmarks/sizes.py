@@ -12,6 +12,7 @@ BENCHMARKS = (
     "memory",
     "audit",
     "scaling_cost",
+    "low_precision",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

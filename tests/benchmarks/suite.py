@@ -13,6 +13,7 @@ from tests.benchmarks import audit
 from tests.benchmarks import backend_support
 from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
+from tests.benchmarks import low_precision
 from tests.benchmarks import machine
 from tests.benchmarks import memory
 from tests.benchmarks import scaling_cost
@@ -56,6 +57,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "memory": lambda: memory.run(name, sizes, threads),
         "audit": lambda: audit.run(sizes),
         "scaling_cost": lambda: scaling_cost.run(sizes),
+        "low_precision": lambda: low_precision.run(sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:
