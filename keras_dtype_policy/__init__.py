@@ -108,6 +108,9 @@ if _backend_error is None:
     from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
     from keras_dtype_policy.loss_scaling.loss_scale import LossScale
     from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+    from keras_dtype_policy.loss_scaling.low_precision_optimizer import (
+        LowPrecisionOptimizer,
+    )
     from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
     from keras_dtype_policy.patches import install
     from keras_dtype_policy.patches import is_installed
@@ -146,6 +149,7 @@ __all__ = [
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "LowPrecisionOptimizer",
     "Policy",
     "PrecisionRule",
     "PrecisionRules",

@@ -10,8 +10,12 @@ from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
+from keras_dtype_policy.loss_scaling.low_precision_optimizer import (
+    LowPrecisionOptimizer,
+)
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
+from keras_dtype_policy.policies import names as policy_names
 
 # Returned by `loss_scale_for_model` when the policy does not say.
 _UNSPECIFIED = object()
@@ -105,6 +109,57 @@ def choose_optimizers(model, optimizer):
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer, optimizer
+    update = low_precision_update_for_model(model)
+    if update is None or isinstance(optimizer, LowPrecisionOptimizer):
+        return _choose_loss_scaling(model, optimizer)
+    wrapped = wrap_low_precision(optimizer, *update)
+    training, recorded = _choose_loss_scaling(model, wrapped)
+    # The policy is saved with the model, and wraps again on loading.
+    return training, optimizer if recorded is wrapped else recorded
+
+
+def low_precision_update_for_model(model):
+    """Returns what `LowPrecisionOptimizer` a model's policies ask for.
+
+    A model whose policy, or any of whose layers' policies, is one of the
+    low-precision update policies (such as `"kahan_bfloat16"`) asks for one;
+    a plain `"bfloat16"` or `"float16"` policy does not.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A pair `(update, weight_dtype)`, such as `("kahan", "bfloat16")`,
+        or None.
+    """
+    for policy in _policies_in(model):
+        policies = [policy]
+        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+            policies = [policy.default_policy, *policy.values()]
+        for each in policies:
+            entry = policy_names.LOW_PRECISION_UPDATE_POLICIES.get(each.name)
+            if entry is not None:
+                weight_dtype, update = entry
+                return update, weight_dtype
+    return None
+
+
+def wrap_low_precision(optimizer, update, weight_dtype):
+    """Wraps `optimizer` in the `LowPrecisionOptimizer` a policy asks for.
+
+    Under float16 weights the optimizer state is kept in float32: a float16
+    second moment underflows for small gradients (see
+    `LowPrecisionOptimizer`). Under bfloat16 weights the state is bfloat16,
+    as Keras keeps it.
+    """
+    state_dtype = "float32" if weight_dtype == "float16" else None
+    return LowPrecisionOptimizer(
+        optimizer, update=update, state_dtype=state_dtype
+    )
+
+
+def _choose_loss_scaling(model, optimizer):
+    """`choose_optimizers` for an optimizer that is not loss-scaled yet."""
     optimizer_state.teach_tf_keras_layout(optimizer)
     loss_scale = loss_scale_for_model(model)
     from_policy = _policy_loss_scale(model) is not _UNSPECIFIED

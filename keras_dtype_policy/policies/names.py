@@ -7,6 +7,16 @@ MIXED_POLICIES = {
     "mixed_bfloat16": ("bfloat16", "float32"),
 }
 
+# Policies whose bfloat16 or float16 weights are trained with updates that
+# are not rounded away: the compile hook wraps the optimizer of a model with
+# one of them in a `LowPrecisionOptimizer` with this `update`.
+LOW_PRECISION_UPDATE_POLICIES = {
+    "kahan_bfloat16": ("bfloat16", "kahan"),
+    "stochastic_bfloat16": ("bfloat16", "stochastic_rounding"),
+    "kahan_float16": ("float16", "kahan"),
+    "stochastic_float16": ("float16", "stochastic_rounding"),
+}
+
 # Names that tf.keras 2.0 removed, with the policy that replaced them.
 REMOVED_POLICIES = {
     "float16_with_float32_vars": "mixed_float16",
@@ -16,7 +26,9 @@ REMOVED_POLICIES = {
 }
 
 ACCEPTED_FORMS = (
-    "'mixed_float16', 'mixed_bfloat16', or a dtype name such as "
+    "'mixed_float16', 'mixed_bfloat16', 'kahan_bfloat16', "
+    "'stochastic_bfloat16', 'kahan_float16', 'stochastic_float16', "
+    "or a dtype name such as "
     "'float32', 'float16', 'bfloat16', 'float64', 'int32' or 'bool'"
 )
 
@@ -25,8 +37,10 @@ def parse_policy_name(name):
     """Returns the `(compute_dtype, variable_dtype)` pair a name stands for.
 
     Args:
-        name: A policy name: `"mixed_float16"`, `"mixed_bfloat16"` or a dtype
-            name that Keras accepts, such as `"float32"` or `"bfloat16"`.
+        name: A policy name: `"mixed_float16"`, `"mixed_bfloat16"`, one of
+            `LOW_PRECISION_UPDATE_POLICIES` (such as `"kahan_bfloat16"`:
+            bfloat16 compute and weights) or a dtype name that Keras
+            accepts, such as `"float32"` or `"bfloat16"`.
 
     Returns:
         A tuple of two dtype strings.
@@ -43,6 +57,9 @@ def parse_policy_name(name):
         )
     if name in MIXED_POLICIES:
         return MIXED_POLICIES[name]
+    if name in LOW_PRECISION_UPDATE_POLICIES:
+        dtype = LOW_PRECISION_UPDATE_POLICIES[name][0]
+        return dtype, dtype
     if name in REMOVED_POLICIES:
         raise ValueError(
             f"The dtype policy {name!r} was removed in TensorFlow 2.0. Use "

@@ -3,6 +3,7 @@
 import keras
 
 from keras_dtype_policy.policies import names as policy_names
+from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.policies.registration import PACKAGE
 from keras_dtype_policy.tf_keras_compat import legacy_policy
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
@@ -89,6 +90,9 @@ def make_deserialize(original_deserialize):
 def make_get(original_get):
     """Returns `dtype_policies.get` that knows the tf.keras names.
 
+    It also knows this package's low-precision update policies (such as
+    `"kahan_bfloat16"`), which give a `keras_dtype_policy.DTypePolicy`.
+
     The infer names give each caller (each layer) a policy of its own, so
     no layer's inference touches a shared or global policy object. Names
     that tf.keras 2.0 removed raise a `ValueError` naming the replacement.
@@ -112,6 +116,11 @@ def make_get(original_get):
             or identifier in policy_names.REMOVED_POLICIES
         ):
             return legacy_policy_configs.policy_for_name(identifier)
+        if (
+            isinstance(identifier, str)
+            and identifier in policy_names.LOW_PRECISION_UPDATE_POLICIES
+        ):
+            return DTypePolicy(identifier)
         try:
             return original_get(identifier)
         except (TypeError, ValueError) as error:

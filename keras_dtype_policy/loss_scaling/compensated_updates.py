@@ -1,0 +1,126 @@
+"""Writing float32 results into bfloat16 and float16 storage.
+
+Three ways to store a value computed in float32 into a low-precision
+variable, all through `keras.ops`, so they run eagerly and under `jit`
+(JAX), `tf.function` (XLA too) and torch alike:
+
+- `round_to_nearest`: the cast Keras itself does; an update smaller than
+  half a unit in the last place (ulp) of the value is lost.
+- `kahan_write`: the rounded value goes to the weight and what rounding
+  took off goes to a compensation buffer of the weight's dtype, which the
+  next read adds back (Kahan summation, as optimi does): updates add up
+  instead of being rounded away.
+- `stochastic_round`: rounds up or down at random, with the probability
+  that makes the result equal to the value on average (unbiased), so small
+  updates survive in expectation with no extra buffer. The random bits come
+  from a `keras.random.SeedGenerator`, whose state is a variable: seeded,
+  the sequence is reproducible and is saved with the optimizer.
+"""
+
+import keras
+from keras import ops
+
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+
+# float32 keeps 23 bits of mantissa; bfloat16 keeps 7 and float16 10.
+_DROPPED_BITS = {"bfloat16": 16, "float16": 13}
+# float16's smallest normal number, 2**-14; below it the spacing of float16
+# values is fixed at 2**-24.
+_FLOAT16_MIN_NORMAL = 2.0**-14
+_FLOAT16_SUBNORMAL_STEP = 2.0**-24
+
+
+def is_low_precision(dtype):
+    """True for bfloat16 and float16."""
+    return keras.backend.standardize_dtype(dtype) in LOW_PRECISION_DTYPES
+
+
+def round_to_nearest(value, dtype):
+    """Returns float32 `value` cast to `dtype`, rounding to nearest."""
+    return ops.cast(value, dtype)
+
+
+def stochastic_round(value, dtype, seed):
+    """Returns float32 `value` rounded to `dtype` up or down at random.
+
+    A value lying a fraction `p` of the way from the representable number
+    below it to the one above is rounded up with probability `p`: the mean
+    of many roundings is the value itself. For bfloat16, which keeps
+    float32's exponent range, this holds for every finite value (subnormal
+    ones included). For float16 it holds from the smallest subnormal float16
+    up to float16's largest value; beyond that the result is infinite, as
+    with a cast. NaN and infinities are returned as a cast returns them.
+
+    The rounding adds random bits below the kept mantissa bits of the
+    float32 value's bit pattern (`keras.ops.view`) and clears them.
+
+    Args:
+        value: A float32 tensor (other floating tensors are cast first).
+        dtype: `"bfloat16"` or `"float16"`.
+        seed: A `keras.random.SeedGenerator` (or anything
+            `keras.random.randint` accepts as `seed`).
+
+    Returns:
+        A tensor of `dtype`.
+    """
+    dtype = keras.backend.standardize_dtype(dtype)
+    if dtype not in _DROPPED_BITS:
+        raise ValueError(
+            "Stochastic rounding goes to bfloat16 or float16. "
+            f"Received: dtype={dtype!r}"
+        )
+    value = ops.cast(value, "float32")
+    dropped = _DROPPED_BITS[dtype]
+    noise = keras.random.randint(
+        ops.shape(value), 0, 2**dropped, dtype="int32", seed=seed
+    )
+    bits = ops.view(value, "int32")
+    kept = ops.bitwise_and(ops.add(bits, noise), -(2**dropped))
+    rounded = ops.view(kept, "float32")
+    if dtype == "float16":
+        # Below float16's normal range its steps are 2**-24 apart, whatever
+        # the exponent: round on that grid, with the same noise.
+        uniform = ops.multiply(
+            ops.cast(noise, "float32"), 1.0 / float(2**dropped)
+        )
+        grid = ops.multiply(
+            ops.floor(
+                ops.add(
+                    ops.multiply(value, 1.0 / _FLOAT16_SUBNORMAL_STEP), uniform
+                )
+            ),
+            _FLOAT16_SUBNORMAL_STEP,
+        )
+        rounded = ops.where(
+            ops.less(ops.abs(value), _FLOAT16_MIN_NORMAL), grid, rounded
+        )
+    rounded = ops.where(ops.isfinite(value), rounded, value)
+    return ops.cast(rounded, dtype)
+
+
+def kahan_read(weight, compensation):
+    """Returns the float32 value a compensated weight stands for."""
+    return ops.add(
+        ops.cast(weight, "float32"), ops.cast(compensation, "float32")
+    )
+
+
+def kahan_write(weight, compensation, value):
+    """Stores float32 `value` as a rounded weight plus its compensation.
+
+    The weight gets `value` rounded to nearest in its dtype; the
+    compensation gets what the rounding took off (`value - weight`, exact
+    in float32), itself rounded to the compensation's dtype. `kahan_read`
+    adds it back, so a run of updates each below half an ulp of the weight
+    moves the weight once their sum reaches it.
+
+    Args:
+        weight: The low-precision variable.
+        compensation: Its compensation buffer, a variable of the same shape.
+        value: The float32 value to store.
+    """
+    value = ops.cast(value, "float32")
+    rounded = ops.cast(value, weight.dtype)
+    residual = ops.subtract(value, ops.cast(rounded, "float32"))
+    weight.assign(rounded)
+    compensation.assign(ops.cast(residual, compensation.dtype))
