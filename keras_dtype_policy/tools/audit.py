@@ -362,7 +362,10 @@ def audit(
     gradients = None
     if y is not None and loss is not None:
         gradients = weight_gradients(
-            reference, first_samples(x, batch_size), first_samples(y, batch_size), loss
+            reference,
+            first_samples(x, batch_size),
+            first_samples(y, batch_size),
+            loss,
         )
     uses_float16 = any(
         layer.compute_dtype == "float16" for layer, _ in candidate_layers

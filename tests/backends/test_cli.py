@@ -330,6 +330,11 @@ def test_demo_runs_the_default_policy_against_float32(tmp_path):
         "Recommended on this machine (as 'keras-dtype-policy doctor' says): "
         f"{choice.recommended}: {choice.reason}." in flat
     )
+    # Where bfloat16 is fast, the advice for memory-bound training too.
+    low_precision = advice.low_precision_advice(hardware.list_devices())
+    assert ("Memory-bound training:" in flat) == (low_precision is not None)
+    if low_precision is not None:
+        assert f"Memory-bound training: {low_precision}." in flat
     if not choice.follows_advice:
         assert choice.recommended == "float32"
         assert "[2/2] policy float32 (for comparison; recommended here)" in (

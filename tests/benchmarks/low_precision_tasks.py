@@ -247,11 +247,6 @@ def _numpy_dtype(dtype):
     return name
 
 
-def scalar_free(variables):
-    """Returns the variables with more than one value (not counters)."""
-    return [v for v in variables if int(np.prod(v.shape)) > 1]
-
-
 def evaluate(model, task):
     """Returns the task's score and loss on its held-out data."""
     results = model.evaluate(

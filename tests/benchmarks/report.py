@@ -377,8 +377,10 @@ def low_precision_section(results):
         "",
         "Adam, the same initial weights and batches for every "
         "configuration; score on held-out data (accuracy, or loss: lower "
-        "is better); bytes of weights + optimizer state counted from the "
-        "variables; step time over mixed_bfloat16's and plain bfloat16's "
+        "is better); bytes a parameter of weights + optimizer state counted "
+        "from the variables (the optimizer's few fixed bytes, step counters "
+        "and a generator's state, left out); step time over "
+        "mixed_bfloat16's and plain bfloat16's "
         "(ratio of medians over the chunks of `fit` that took turns, with "
         "the interquartile range of the paired ratios).",
         "",
@@ -438,9 +440,7 @@ def _paired(comparison):
     if comparison is None:
         return ""
     paired = comparison["paired"]
-    return (
-        f"{comparison['ratio']:.3f} ({paired['q1']:.3f}-{paired['q3']:.3f})"
-    )
+    return f"{comparison['ratio']:.3f} ({paired['q1']:.3f}-{paired['q3']:.3f})"
 
 
 def _target_text(check):
