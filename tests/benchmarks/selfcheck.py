@@ -111,8 +111,27 @@ def smoke(backend):
         "mixed precision",
         "Memory",
         "numerics audit",
+        "compensated updates",
     ):
         _expect(title in markdown, f"{title!r} in the markdown")
+    low = result["low_precision"]["tasks"]
+    _expect(
+        set(low) == {"digits", "char_lm", "regression"},
+        "three low-precision tasks",
+    )
+    for task in low.values():
+        rows = task["rows"]
+        mixed = rows["mixed_bfloat16"]["memory"]["bytes_per_parameter"]
+        _expect(mixed == 12, "Adam under mixed_bfloat16: 12 bytes a parameter")
+        for name, expected in (
+            ("bfloat16_kahan", 8),
+            ("bfloat16_stochastic", 6),
+        ):
+            if name in rows:
+                got = rows[name]["memory"]["bytes_per_parameter"]
+                _expect(
+                    got == expected, f"{name}: {expected} bytes a parameter"
+                )
     for key in ("cpu", "cpu_flags", "versions", "date"):
         _expect(key in result["machine"], f"machine {key}")
     _expect(result["settings"]["backend"] == backend, "settings recorded")
