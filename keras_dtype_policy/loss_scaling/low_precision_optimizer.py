@@ -259,6 +259,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 grads = [g / scale for g in grads]
             grads = inner._clip_gradients(grads)
             learning_rate = inner.learning_rate
+            _advance_step_state(inner)
             variables = [v for _, v in pairs]
             for grad, variable in zip(grads, variables, strict=True):
                 if getattr(variable, "overwrite_with_gradient", False):
@@ -438,6 +439,21 @@ class _Float32View(keras.Variable):
         return f"<float32 view of {self.weight.path}>"
 
 
+def _advance_step_state(inner):
+    """Runs what the inner optimizer updates once a step, before the
+    per-variable updates (which the wrapper runs itself).
+
+    Of Keras' optimizers only Nadam has such state: the product of its
+    momentum schedule, `u_product *= beta_1 * (1 - 0.5 * 0.96**(t + 1))`.
+    """
+    if not isinstance(inner, keras.optimizers.Nadam):
+        return
+    step = ops.cast(inner.iterations + 1, "float32")
+    factor = inner.beta_1 * (1.0 - 0.5 * ops.power(0.96, step))
+    product = ops.cast(inner._u_product, "float32")
+    inner.assign(inner._u_product, ops.multiply(product, factor))
+
+
 def _dense(value):
     """A tensor of `value`; TensorFlow's `IndexedSlices` become dense."""
     return ops.convert_to_tensor(value)
@@ -453,9 +469,10 @@ def _route_writes(inner, wrapper):
     Only this instance's `assign`, `assign_add`, `assign_sub` (and, for
     TensorFlow, `_var_key`, which would read a view's value) are replaced.
     """
-    if getattr(inner, "_writes_routed_to", None) is wrapper:
+    # A flag, not the wrapper: saving walks the optimizer's attributes.
+    if getattr(inner, "_writes_routed", False):
         return
-    inner._writes_routed_to = wrapper
+    inner._writes_routed = True
     inner_class = type(inner)
     targets = wrapper._targets
 
@@ -552,6 +569,12 @@ def _check_state_dtype(state_dtype):
     if state_dtype is None:
         return None
     expected = "None, 'float32', 'bfloat16' or 'float16'"
+    if not isinstance(state_dtype, str):
+        raise TypeError(
+            f"`state_dtype` must be {expected}. "
+            f"Received: state_dtype={state_dtype!r} "
+            f"(of type {type(state_dtype).__name__})"
+        )
     try:
         standard = keras.backend.standardize_dtype(state_dtype)
     except (TypeError, ValueError, AttributeError):
