@@ -69,8 +69,8 @@ def digits_task(steps, learning_rate):
 
     return Task(
         name="digits",
-        description="the demo's convnet (8x8x1, Conv 32-64, Dense 128-10, "
-        "113k parameters) on scikit-learn's digits, batch 32",
+        description="the demo's convnet (8x8x1, Conv 32-64, Dense 128-10) "
+        "on scikit-learn's digits, batch 32",
         x_train=x,
         y_train=y,
         x_test=data.x_test,
@@ -161,8 +161,7 @@ def char_lm_task(steps, learning_rate, width=64, heads=2, blocks=2):
     return Task(
         name="char_lm",
         description=f"a causal transformer ({blocks} blocks, d={width}, "
-        f"{heads} heads, 32 characters, 102k parameters) on generated "
-        "text, batch 32",
+        f"{heads} heads, 32 characters) on generated text, batch 32",
         x_train=x,
         y_train=y,
         x_test=x_test,
@@ -203,8 +202,8 @@ def regression_task(steps, learning_rate, features=16, hidden=256):
 
     return Task(
         name="regression",
-        description=f"an MLP {features}-{hidden}-{hidden}-1 (70k "
-        "parameters) fitting a smooth function, mean squared error, "
+        description=f"an MLP {features}-{hidden}-{hidden}-1 "
+        "fitting a smooth function, mean squared error, "
         "batch 64",
         x_train=x,
         y_train=y,

@@ -393,8 +393,10 @@ def low_precision_section(results):
         ]
     for name, task in results["tasks"].items():
         setup = task["setup"]
+        parameters = next(iter(task["rows"].values()))["memory"]["parameters"]
         lines += [
-            f"{name}: {setup['description']}; {setup['steps']} steps in "
+            f"{name}: {setup['description']}, {parameters:,} parameters; "
+            f"{setup['steps']} steps in "
             f"{setup['chunks']} chunks, learning rate "
             f"{setup['learning_rate']:g}, jit_compile={setup['jit_compile']}.",
             "",
