@@ -213,6 +213,15 @@ def _add_audit(commands):
         help="use at most N samples (default: 256)",
     )
     audit.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        metavar="LR",
+        help="also count, per weight, the updates of one Adam step at LR "
+        "that weights stored in the policy's compute dtype (bfloat16, "
+        "float16) would round away; needs labels (--data with 'y') and "
+        "the model's compiled loss",
+    )
+    audit.add_argument(
         "--json", action="store_true", help="print JSON, for machines"
     )
     audit.add_argument(
@@ -354,13 +363,46 @@ def _run_audit(args):
         )
     except (TypeError, ValueError) as error:
         raise CommandError(f"{args.model}: {error}") from None
+    lost = None
+    if args.learning_rate is not None:
+        lost = _lost_updates(model, x, y, args)
     if args.json:
-        print(json.dumps(table.to_dict(), indent=2))
+        report = table.to_dict()
+        if lost is not None:
+            report["lost_updates"] = lost.to_dict()
+        print(json.dumps(report, indent=2))
     else:
         print(str(table))
+        if lost is not None:
+            print()
+            print(str(lost))
     if plot_path is not None:
         table.plot(plot_path)
     return 0 if table.safe else UNSAFE
+
+
+def _lost_updates(model, x, y, args):
+    """Returns `lost_updates` for the audit's `--learning-rate`."""
+    from keras_dtype_policy.policies.policy import DTypePolicy
+    from keras_dtype_policy.tools.lost_updates import lost_updates
+
+    dtype = DTypePolicy(args.policy).compute_dtype
+    if dtype not in ("bfloat16", "float16"):
+        raise CommandError(
+            f"--learning-rate: {args.policy} computes in {dtype}: no "
+            "update of a weight in that dtype is counted as lost; give a "
+            "bfloat16 or float16 policy",
+            status=USAGE_ERROR,
+        )
+    if y is None:
+        raise CommandError(
+            "--learning-rate needs labels: --data with an array 'y'",
+            status=USAGE_ERROR,
+        )
+    try:
+        return lost_updates(model, x, y, args.learning_rate, dtype=dtype)
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"{args.model}: {error}") from None
 
 
 def _check_policy_option(name):
@@ -491,6 +533,18 @@ def _print_report(report, format_report, as_json):
         print(json.dumps(report, indent=2))
     else:
         print("\n".join(format_report(report)))
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a number above 0, not {text!r}"
+        )
+    return value
 
 
 def _positive_int(text):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.tools import cli
 from keras_dtype_policy.tools import lost_updates as lost_updates_module
 
 X = np.ones((8, 4), "float32")
@@ -142,3 +143,59 @@ def test_no_model_labels_or_loss_is_an_error():
         kdp.lost_updates(uncompiled, X, Y)
     result = kdp.lost_updates(uncompiled, X, Y, loss="mean_squared_error")
     assert len(result) == 2
+
+
+# The command line: `keras-dtype-policy audit --learning-rate LR`.
+
+
+@pytest.fixture(scope="module")
+def ones_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lost_updates")
+    path = folder / "ones.keras"
+    ones_model().save(path)
+    data = folder / "data.npz"
+    np.savez(data, x=X, y=Y)
+    return str(path), str(data)
+
+
+@pytest.mark.parametrize("rate, lost", [("1e-4", 1.0), ("1e-1", 0.0)])
+def test_the_audit_command_counts_lost_updates(ones_file, rate, lost, capsys):
+    path, data = ones_file
+    args = ["audit", path, "--policy", "mixed_bfloat16", "--data", data]
+    status = cli.main([*args, "--learning-rate", rate, "--json"])
+    assert status == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["safe"] is True
+    assert report["lost_updates"]["dtype"] == "bfloat16"
+    assert report["lost_updates"]["lost"] == lost
+    status = cli.main([*args, "--learning-rate", rate])
+    out = capsys.readouterr().out
+    assert f"lost in all: {100 * lost:.1f}%" in out
+    assert "mixed_bfloat16 is safe" in out
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["--policy", "float32", "--learning-rate", "1e-4"],
+            "--learning-rate: float32 computes in float32",
+        ),
+        (["--learning-rate", "1e-4"], "--learning-rate needs labels"),
+    ],
+)
+def test_the_audit_command_reports_bad_learning_rate_use(
+    ones_file, args, fragment, capsys
+):
+    path, data = ones_file
+    if "float32" in args:
+        args = [*args, "--data", data]
+    status = cli.main(["audit", path, *args])
+    assert status == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_the_audit_command_rejects_a_learning_rate_of_zero(ones_file, capsys):
+    status = cli.main(["audit", ones_file[0], "--learning-rate", "0"])
+    assert status == 2
+    assert "must be a number above 0, not '0'" in capsys.readouterr().err
