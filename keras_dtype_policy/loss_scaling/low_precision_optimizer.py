@@ -253,7 +253,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         with keras.name_scope(inner.name, caller=inner):
-            grads = [g for g, _ in pairs]
+            grads = _summed_across_replicas([g for g, _ in pairs])
             scale = inner.loss_scale_factor
             if scale is not None:
                 grads = [g / scale for g in grads]
@@ -359,6 +359,9 @@ class _Float32View(keras.Variable):
         self.compensation = compensation
         self.slot_dtype = slot_dtype
         self._building = False
+        # While its own scalar is made, the view has the scalar's shape (a
+        # distribution lays the scalar out by it).
+        self._making_storage = True
         super().__init__(
             0.0,
             dtype="float32",
@@ -366,6 +369,7 @@ class _Float32View(keras.Variable):
             autocast=False,
             name=f"{weight.name}_float32_view",
         )
+        self._making_storage = False
         self._layout = getattr(weight, "_layout", None)
 
     @property
@@ -384,11 +388,13 @@ class _Float32View(keras.Variable):
 
     @property
     def shape(self):
+        if self._making_storage:
+            return self._shape
         return self.weight.shape
 
     @property
     def ndim(self):
-        return len(self.weight.shape)
+        return len(self.shape)
 
     @property
     def name(self):
@@ -437,6 +443,28 @@ class _Float32View(keras.Variable):
 
     def __repr__(self):
         return f"<float32 view of {self.weight.path}>"
+
+
+def _summed_across_replicas(grads):
+    """Sums each replica's gradients under a `tf.distribute` strategy.
+
+    Keras' trainer hands the optimizer each replica's local gradients, and
+    its TensorFlow optimizer sums them before the update; the wrapper runs
+    the update itself, so it sums them here. Every replica then writes the
+    same values into its copy of each variable.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return grads
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or (
+        tf.distribute.in_cross_replica_context()
+    ):
+        return grads
+    context = tf.distribute.get_replica_context()
+    if context.num_replicas_in_sync == 1:
+        return grads
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
 
 
 def _advance_step_state(inner):

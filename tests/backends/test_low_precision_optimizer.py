@@ -600,3 +600,71 @@ def test_explicit_wrapper_under_float16_gets_loss_scaling_outside():
     model.compile(LowPrecisionOptimizer(keras.optimizers.SGD(0.01)), "mse")
     assert isinstance(model.optimizer, LossScaleOptimizer)
     assert isinstance(model.optimizer.inner_optimizer, LowPrecisionOptimizer)
+
+
+KERAS_ALONE_READER = """
+import json, sys, warnings
+import keras
+import numpy as np
+
+folder = sys.argv[1]
+model = keras.Sequential(
+    [
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="tanh", dtype="bfloat16"),
+        keras.layers.Dense(1, dtype="bfloat16"),
+    ]
+)
+model.compile(keras.optimizers.Adam(0.01), "mse")
+model.optimizer.build(model.trainable_variables)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.load_weights(folder + "/model.weights.h5")
+np.savez(
+    folder + "/alone.npz",
+    *[keras.ops.convert_to_numpy(keras.ops.cast(w, "float32"))
+      for w in model.weights],
+)
+try:
+    keras.saving.load_model(folder + "/model.keras")
+    keras_file = "loaded"
+except Exception as error:
+    keras_file = type(error).__name__ + ": " + str(error)[:200]
+assert "keras_dtype_policy" not in sys.modules
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught],
+    "keras_file": keras_file,
+}))
+"""
+
+
+# A Keras process of its own, a few seconds more on each backend.
+@SLOW
+def test_what_keras_alone_reads(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model = trained_model(SAVED_SETUPS["kahan"][1])
+    model.save_weights(str(tmp_path / "model.weights.h5"))
+    model.save(str(tmp_path / "model.keras"))
+    result = subprocess.run(
+        [sys.executable, "-c", KERAS_ALONE_READER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # The weights come back bit for bit; the optimizer state (compensation
+    # buffers, the wrapper's own variables) is skipped with Keras' warning.
+    loaded = np.load(tmp_path / "alone.npz")
+    for i, weight in enumerate(model.weights):
+        np.testing.assert_array_equal(loaded[f"arr_{i}"], as_float32(weight))
+    assert any("Skipping variable loading" in w for w in report["warnings"])
+    # The .keras file names this package's optimizer: Keras alone cannot
+    # rebuild it.
+    assert "LowPrecisionOptimizer" in report["keras_file"]
