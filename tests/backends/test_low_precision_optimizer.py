@@ -553,6 +553,7 @@ def test_policy_names_wrap_the_optimizer(policy, update):
     assert model.optimizer.state_dtype is None
 
 
+@pytest.mark.filterwarnings("ignore::keras_dtype_policy.SlowFloat16Warning")
 def test_layer_dtype_names_and_scope():
     layer = keras.layers.Dense(4, dtype="kahan_bfloat16")
     assert layer.dtype_policy.name == "kahan_bfloat16"
