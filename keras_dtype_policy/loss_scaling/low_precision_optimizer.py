@@ -37,8 +37,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     Weight decay (`weight_decay=`, AdamW), gradient clipping and variable
     constraints of the inner optimizer go through the same float32 path.
-    float32 weights are updated as the inner optimizer alone updates them
-    (with `state_dtype` the only difference).
+    float32 weights get the inner optimizer's own update (`state_dtype`
+    aside): with no low-precision weight and no `state_dtype`, the wrapper
+    hands the step to the inner optimizer unchanged, bit for bit; beside
+    low-precision weights they go through its per-variable `update_step`
+    (on torch the built-in optimizers' fused step may round differently in
+    the last bit).
 
     Optimizer state (Adam's moments, momentum, accumulators) is kept in
     `state_dtype`, or, with `state_dtype=None`, in each weight's own dtype,
