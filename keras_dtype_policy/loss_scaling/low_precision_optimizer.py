@@ -37,8 +37,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     Weight decay (`weight_decay=`, AdamW), gradient clipping and variable
     constraints of the inner optimizer go through the same float32 path.
-    float32 weights are updated as the inner optimizer alone updates them
-    (with `state_dtype` the only difference).
+    float32 weights get the inner optimizer's own update (`state_dtype`
+    aside): with no low-precision weight and no `state_dtype`, the wrapper
+    hands the step to the inner optimizer unchanged, bit for bit; beside
+    low-precision weights they go through its per-variable `update_step`
+    (on torch the built-in optimizers' fused step may round differently in
+    the last bit).
 
     Optimizer state (Adam's moments, momentum, accumulators) is kept in
     `state_dtype`, or, with `state_dtype=None`, in each weight's own dtype,
@@ -80,9 +84,26 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     low-precision state are optimizer variables: saved in `.keras` and
     `.weights.h5` files and restored bit for bit.
 
+    A Kahan compensation in the weight's dtype carries 8 more bits: the
+    weight and its compensation hold about 16 significant bits, so updates
+    below about 2**-17 of a weight are still partly lost (stochastic
+    rounding keeps them on average, at the cost of noise).
+
+    Keras' trainers, custom loops (`apply`, `apply_gradients`, JAX's
+    `stateless_apply`), `jit` on JAX and XLA on TensorFlow, JAX's
+    `keras.distribution.DataParallel` and TensorFlow's `MirroredStrategy`
+    (the wrapper sums the replicas' gradients, as Keras' TensorFlow
+    optimizer does) all work. Nadam's once-a-step state (its momentum
+    schedule's product) is advanced by the wrapper, which runs the
+    per-variable steps itself.
+
+    Keras alone reads the weights of a `.weights.h5` file this optimizer
+    saved (its state is skipped with Keras' warning); a `.keras` file names
+    this class, so loading it needs this package.
+
     Not supported: an inner optimizer with `use_ema` or
-    `gradient_accumulation_steps`, and `tf.distribute` strategies with
-    several replicas.
+    `gradient_accumulation_steps`, or one already built (the wrapper builds
+    it on its views).
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap (not a
