@@ -71,6 +71,27 @@ def all_finite(grads):
     return _portable_all_finite(tensors)
 
 
+def nonfinite_flags(grads):
+    """Returns, per gradient, whether it holds a NaN or Inf.
+
+    One reduction a gradient: meant for a step already known to be
+    non-finite (the branch that skips it), never for every step.
+
+    Args:
+        grads: A list of gradient tensors.
+
+    Returns:
+        A list as long as `grads`: a boolean scalar tensor per gradient,
+        None where the gradient is None.
+    """
+    return [
+        None
+        if g is None
+        else ops.logical_not(ops.all(ops.isfinite(_values(g))))
+        for g in grads
+    ]
+
+
 def unscale(grads, scale, keep=None):
     """Returns the gradients divided by `scale`.
 
