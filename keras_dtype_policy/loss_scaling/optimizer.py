@@ -711,9 +711,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finite = ops.convert_to_tensor(finite, dtype="bool")
         counter_dtype = counter.dtype
         next_counter = ops.add(counter, ops.ones_like(counter))
-        streak = ops.where(
-            finite, ops.zeros_like(streak), ops.add(streak, 1)
-        )
+        streak = ops.where(finite, ops.zeros_like(streak), ops.add(streak, 1))
         if self.dynamic:
             grow = ops.logical_and(
                 finite,
@@ -729,9 +727,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 ops.logical_not(finite),
                 ops.greater_equal(streak, self.hysteresis),
             )
-            scale = ops.where(
-                grow, grown, ops.where(back_off, shrunk, scale)
-            )
+            scale = ops.where(grow, grown, ops.where(back_off, shrunk, scale))
             next_counter = ops.where(
                 grow, ops.zeros_like(counter), next_counter
             )
