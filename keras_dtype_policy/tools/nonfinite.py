@@ -103,11 +103,13 @@ class NonfiniteReport:
         return not self.all_finite
 
     def __str__(self):
-        checked = "layer outputs" + (
-            " and gradients" if self.checked_gradients else ""
+        checked = (
+            "inputs, layer outputs or gradients"
+            if self.checked_gradients
+            else "inputs or layer outputs"
         )
         if self.all_finite:
-            return f"All finite: every {checked} held finite values."
+            return f"All finite: no NaN, Inf or overflow in the {checked}."
         lines = []
         if not self.inputs_finite:
             lines.append("The input batch itself holds NaN or Inf.")
@@ -156,7 +158,7 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
 
     >>> report = keras_dtype_policy.find_nonfinite(model, x)
     >>> print(report)
-    All finite: every layer outputs held finite values.
+    All finite: no NaN, Inf or overflow in the inputs or layer outputs.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
