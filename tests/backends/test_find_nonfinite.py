@@ -181,3 +181,23 @@ def test_labels_without_a_loss_on_an_uncompiled_model_are_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="loss=None"):
         kdp.find_nonfinite(model, np.ones((2, 4)), np.ones((2, 1)))
+
+
+def test_command_line_names_the_layer_and_exits_3(tmp_path, capsys):
+    from keras_dtype_policy.tools import cli
+
+    model = overflowing_model()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    hot = tmp_path / "hot.npz"
+    np.savez(hot, x=np.full((4, 4), 10.0, "float32"))
+    status = cli.main(["find-nonfinite", str(path), "--data", str(hot)])
+    assert status == 3
+    assert "First non-finite layer output: huge (float16)" in (
+        capsys.readouterr().out
+    )
+    cool = tmp_path / "cool.npz"
+    np.savez(cool, x=np.full((4, 4), 1e-3, "float32"))
+    status = cli.main(["find-nonfinite", str(path), "--data", str(cool)])
+    assert status == 0
+    assert capsys.readouterr().out.startswith("All finite")
