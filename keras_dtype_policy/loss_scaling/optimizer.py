@@ -322,8 +322,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _assign_saved(self, values):
         """Assigns `values` if they fit a layout; returns whether they did.
 
-        The layouts: all variables, Keras' (all but the skipped-step
-        count), then the inner optimizer's own (see
+        The layouts: all variables (as Keras' legacy .h5 format saves
+        them), those of earlier releases (Keras' and the skipped-step
+        count), Keras' (all but the state its own wrapper lacks), then the
+        inner optimizer's own (see
         `optimizer_state.assign_optimizer_values`). Shapes, kinds of dtype
         and, where saved, names are checked before anything is assigned.
         """
@@ -338,7 +340,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         layouts = [
             (targets, [roles[id(v)] for v in targets])
-            for targets in (self._earlier_layout(), self._keras_layout())
+            for targets in (
+                self.variables,
+                self._earlier_layout(),
+                self._keras_layout(),
+            )
         ]
         for targets, target_roles in layouts:
             if optimizer_state.fits(targets, values, names, target_roles):
@@ -979,10 +985,12 @@ def _saved_inner_step(values):
     """Returns the inner optimizer's step count among saved values, or None.
 
     Saved by a loss-scale optimizer, the values start with its own step
-    count and learning rate, its counter and scale, (for earlier releases)
-    its skipped-step count, then the inner optimizer's step count and
-    learning rate. A tf.keras 2 file holds the inner state alone: its step
-    count comes first, followed by slots.
+    count and learning rate, its counter and scale, then (all but in
+    Keras' layout) its skipped-step count, then (in the layout of all its
+    variables) its count of skipped steps in a row and two int vectors
+    (the attribution of skipped steps), then the inner optimizer's step
+    count and learning rate. A tf.keras 2 file holds the inner state
+    alone: its step count comes first, followed by slots.
     """
     values = [np.asarray(v) for v in values]
 
@@ -993,10 +1001,21 @@ def _saved_inner_step(values):
             and values[i].dtype.kind in kinds
         )
 
-    if scalar(1, "f"):
-        at = 4 if scalar(5, "f") else 5
-    else:
+    def int_vector(i):
+        return (
+            i < len(values)
+            and values[i].ndim == 1
+            and values[i].dtype.kind in "iu"
+        )
+
+    if not scalar(1, "f"):
         at = 0
+    elif scalar(5, "f"):
+        at = 4
+    elif scalar(5, "iu") and int_vector(6) and int_vector(7):
+        at = 8
+    else:
+        at = 5
     return values[at] if scalar(at, "iu") else None
 
 

@@ -11,6 +11,7 @@ trainer does), so its compiled case is skipped.
 """
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -236,7 +237,8 @@ def _model(hysteresis):
     return model
 
 
-def test_streak_and_setting_saved_and_restored(tmp_path):
+@pytest.mark.parametrize("file_format", ["keras", "h5"])
+def test_streak_and_setting_saved_and_restored(file_format, tmp_path):
     model = _model(hysteresis=3)
     x = np.ones((4, 3), "float32")
     y = np.zeros((4, 2), "float32")
@@ -246,13 +248,20 @@ def test_streak_and_setting_saved_and_restored(tmp_path):
     optimizer = model.optimizer
     assert optimizer.nonfinite_steps_in_a_row == 2
     assert optimizer.loss_scale == INITIAL
-    path = tmp_path / "model.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    path = tmp_path / f"model.{file_format}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # .h5 is legacy
+        model.save(path)
+        loaded = keras.saving.load_model(path)
     restored = loaded.optimizer
     assert restored.hysteresis == 3
     assert restored.nonfinite_steps_in_a_row == 2
     assert restored.skipped_steps == 2
+    # The counts per variable too (a loaded model may name its variables'
+    # paths without the model's name).
+    counts = optimizer.nonfinite_gradient_counts
+    assert list(counts.values()) == [2, 2]  # kernel and bias, both steps
+    assert list(restored.nonfinite_gradient_counts.values()) == [2, 2]
     # The third in a row lowers the scale, after the reload as before it.
     loaded.train_on_batch(np.full_like(x, np.inf), y)
     assert restored.loss_scale == INITIAL / 2
