@@ -210,8 +210,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="none",
             name="skipped_steps",
         )
-        # Not in Keras' layout (see `_keras_layout`): saved apart, or not
-        # at all (the attribution of skipped steps).
+        # Not in Keras' layout (see `_keras_layout`): each is saved in a
+        # store of its own (see `_saved`).
         self.nonfinite_streak = self.add_variable(
             shape=(),
             dtype="int",
