@@ -29,6 +29,10 @@ For a scale that is a power of two (the dynamic scale with its default
 factors) the product equals the quotient exactly; for any other scale it
 differs by at most one rounding.
 
+Which gradients were not finite (`nonfinite_flags`, one reduction a
+gradient) is asked only of a step already found non-finite: the optimizer
+asks it inside the branch that skips the step, never on a finite one.
+
 A gradient that is None is left out. A gradient of a variable that is
 overwritten with its gradient (`overwrite_with_gradient`) is checked but
 never unscaled, as in Keras. `tf.IndexedSlices` are checked and unscaled by
