@@ -201,3 +201,12 @@ def test_monitor_on_a_clean_run_logs_zero_and_prints_nothing(capsys):
     assert monitor.skip_report == []
     assert monitor.summary() == "LossScaleMonitor: no step was skipped."
     assert "LossScaleMonitor" not in capsys.readouterr().out
+
+
+def test_nonfinite_flags_one_per_gradient_none_for_none():
+    finite = keras.ops.ones((3,))
+    nan = keras.ops.convert_to_tensor(np.array([1.0, np.nan], "float32"))
+    inf = keras.ops.convert_to_tensor(np.array([-np.inf], "float16"))
+    flags = gradient_check.nonfinite_flags([finite, None, nan, inf])
+    assert flags[1] is None
+    assert [bool(flags[i]) for i in (0, 2, 3)] == [False, True, True]
