@@ -139,6 +139,7 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
     from keras_dtype_policy.tools.lost_updates import lost_updates
+    from keras_dtype_policy.tools.nonfinite import find_nonfinite
 
     install()
 
@@ -158,6 +159,7 @@ __all__ = [
     "audit",
     "dtype_policy",
     "experimental",
+    "find_nonfinite",
     "float16_rules",
     "get_layer_policy",
     "get_loss_scale",

@@ -24,6 +24,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `TensorBoard` (and any other callback that reads the logs) in the
     `callbacks` list: Keras calls them in that order.
 
+    With this package's `LossScaleOptimizer` it also says where a skipped
+    step overflowed. The epoch's logs get `nonfinite_gradient_variables`:
+    how many variables had a NaN or Inf gradient at some skipped step of the
+    epoch (logs hold numbers only; 0 for a clean epoch). Their paths are in
+    `skip_report` and in the summary (`summary()`) printed at the end of
+    `fit` when a step was skipped: per skipped step with per-step reading
+    (`step 12 skipped: non-finite gradients in dense_3/kernel,
+    dense_3/bias`), else per epoch, with how many skipped steps each
+    variable overflowed in.
+
     A scale stuck at its floor skips every step, and training goes on
     without learning and without a word. With `max_consecutive_skips=N` this
     callback stops training (`model.stop_training = True`) after N skipped
@@ -55,7 +65,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             training: the loss scale (with the skipped steps marked) and
             the loss over the steps. Needs matplotlib (the `plot` extra)
             and implies `record_steps`.
-        verbose: 1 prints why training was stopped; 0 prints nothing.
+        verbose: 1 prints why training was stopped, and the summary of the
+            skipped steps at the end of `fit` if any was skipped; 0 prints
+            nothing.
 
     Attributes:
         trajectory: A dict of lists, one entry per recorded step (or per
@@ -64,6 +76,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
             `loss` (Keras' running mean over the epoch so far).
         stop_reason: None, or the message that explains why this callback
             stopped training.
+        skip_report: A list of dicts, one per skipped step found (with
+            per-step reading; with `steps_per_execution` above 1, one per
+            execution that skipped a step, naming its last skipped step's
+            variables) or else one per epoch with skipped steps: `epoch`,
+            `step` (None per epoch), `skipped` (steps) and `gradients` (a
+            dict: the path of each variable whose gradient was not finite,
+            and in how many of those skipped steps). Empty with an
+            optimizer that does not record it (Keras' own).
 
     Example:
 
@@ -103,6 +123,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.verbose = int(verbose)
         self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
         self.stop_reason = None
+        self.skip_report = []
         self._optimizer = None
         if self.record_steps or max_consecutive_skips is not None:
             # Defined per instance, so a monitor that reads once per epoch
@@ -114,6 +135,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
         self.stop_reason = None
+        self.skip_report = []
+        self._epoch_counts = {}
+        self._epoch_skipped = 0
         self._steps_done = 0
         self._epoch = 0
         self._in_a_row = 0
@@ -134,6 +158,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch + 1
+        if self._optimizer is not None and self._attributes():
+            # At the start of an epoch Keras' state is in the variables.
+            self._epoch_counts = self._optimizer.nonfinite_gradient_counts
+            self._epoch_skipped = self._optimizer.skipped_steps
+
+    def _attributes(self):
+        # Only this package's optimizer records where a step overflowed.
+        return isinstance(self._optimizer, LossScaleOptimizer)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._first_step = batch
@@ -155,6 +187,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         else:
             skipped_now = skipped - self._skipped
         self._iterations, self._skipped = iterations, skipped
+        if skipped_now > 0 and self._attributes():
+            paths = self.model.optimizer.nonfinite_gradients
+            self.skip_report.append(
+                {
+                    "epoch": self._epoch,
+                    "step": self._steps_done,
+                    "skipped": skipped_now,
+                    "gradients": dict.fromkeys(paths, skipped_now),
+                }
+            )
         self._record(scale, skipped_now > 0, loss)
         if skipped_now >= steps:
             self._in_a_row += steps
@@ -180,8 +222,62 @@ class LossScaleMonitor(keras.callbacks.Callback):
         logs["loss_scale"] = scale
         if skipped is not None:
             logs["skipped_steps"] = skipped
+        if self._attributes():
+            counts = self.model.optimizer.nonfinite_gradient_counts
+            overflowed = {
+                path: count - self._epoch_counts.get(path, 0)
+                for path, count in counts.items()
+                if count > self._epoch_counts.get(path, 0)
+            }
+            logs["nonfinite_gradient_variables"] = len(overflowed)
+            skipped_in_epoch = skipped - self._epoch_skipped
+            if skipped_in_epoch and not self._reads_every_step():
+                self.skip_report.append(
+                    {
+                        "epoch": self._epoch,
+                        "step": None,
+                        "skipped": skipped_in_epoch,
+                        "gradients": overflowed,
+                    }
+                )
+
+    def _reads_every_step(self):
+        return self.record_steps or self.max_consecutive_skips is not None
+
+    def summary(self):
+        """Returns the skipped steps and where they overflowed, as text.
+
+        One line per entry of `skip_report`, for example
+        `step 12 (epoch 1) skipped: non-finite gradients in dense_3/kernel,
+        dense_3/bias`.
+        """
+        if not self.skip_report:
+            return "LossScaleMonitor: no step was skipped."
+        lines = [
+            "LossScaleMonitor: skipped steps and their non-finite gradients"
+        ]
+        for entry in self.skip_report:
+            gradients = entry["gradients"]
+            if entry["step"] is not None:
+                where = ", ".join(gradients) or "no recorded variable"
+                lines.append(
+                    f"  step {entry['step']} (epoch {entry['epoch']}) "
+                    f"skipped: non-finite gradients in {where}"
+                )
+                continue
+            where = ", ".join(
+                f"{path} ({count})" for path, count in gradients.items()
+            )
+            lines.append(
+                f"  epoch {entry['epoch']}: {entry['skipped']} step(s) "
+                f"skipped; non-finite gradients (in how many of them) in "
+                f"{where or 'no recorded variable'}"
+            )
+        return "\n".join(lines)
 
     def on_train_end(self, logs=None):
+        if self.verbose and self.skip_report:
+            print(self.summary(), flush=True)
         if self.plot_path is not None:
             from keras_dtype_policy.loss_scaling import plots
 

@@ -67,6 +67,7 @@ def wrap_optimizer(optimizer, loss_scale):
             # A policy may start above the default ceiling (tf.keras had
             # none): the ceiling rises to fit.
             max_scale=max(2.0**24, loss_scale.initial_scale),
+            hysteresis=getattr(loss_scale, "hysteresis", 1),
             name="loss_scale_optimizer",
         )
     return LossScaleOptimizer(

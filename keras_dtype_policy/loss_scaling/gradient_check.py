@@ -29,6 +29,10 @@ For a scale that is a power of two (the dynamic scale with its default
 factors) the product equals the quotient exactly; for any other scale it
 differs by at most one rounding.
 
+Which gradients were not finite (`nonfinite_flags`, one reduction a
+gradient) is asked only of a step already found non-finite: the optimizer
+asks it inside the branch that skips the step, never on a finite one.
+
 A gradient that is None is left out. A gradient of a variable that is
 overwritten with its gradient (`overwrite_with_gradient`) is checked but
 never unscaled, as in Keras. `tf.IndexedSlices` are checked and unscaled by
@@ -69,6 +73,27 @@ def all_finite(grads):
     if backend == "jax":
         return _bucketed_all_finite(tensors)
     return _portable_all_finite(tensors)
+
+
+def nonfinite_flags(grads):
+    """Returns, per gradient, whether it holds a NaN or Inf.
+
+    One reduction a gradient: meant for a step already known to be
+    non-finite (the branch that skips it), never for every step.
+
+    Args:
+        grads: A list of gradient tensors.
+
+    Returns:
+        A list as long as `grads`: a boolean scalar tensor per gradient,
+        None where the gradient is None.
+    """
+    return [
+        None
+        if g is None
+        else ops.logical_not(ops.all(ops.isfinite(_values(g))))
+        for g in grads
+    ]
 
 
 def unscale(grads, scale, keep=None):

@@ -130,9 +130,10 @@ class FixedLossScale(LossScale):
 class DynamicLossScale(LossScale):
     """A loss scale that adapts to the gradients.
 
-    A step with a non-finite gradient is skipped and divides the scale by
-    `multiplier`; after `increment_period` finite steps in a row the scale is
-    multiplied by `multiplier`.
+    A step with a non-finite gradient is skipped; the `hysteresis`-th such
+    step in a row (and each one after it, until a finite step) divides the
+    scale by `multiplier`. After `increment_period` finite steps in a row
+    the scale is multiplied by `multiplier`.
 
     Args:
         initial_loss_scale: The first scale, a finite number greater than
@@ -141,12 +142,20 @@ class DynamicLossScale(LossScale):
             the scale grows. Defaults to `2000`.
         multiplier: The factor the scale grows and shrinks by, greater than
             one. Defaults to `2.0`.
+        hysteresis: How many non-finite steps in a row lower the scale, at
+            least 1, as DeepSpeed's `hysteresis` with
+            `consecutive_hysteresis=True`. Defaults to `1`, tf.keras' rule
+            (and then the config is tf.keras' own, without this key).
     """
 
     dynamic = True
 
     def __init__(
-        self, initial_loss_scale=2.0**15, increment_period=2000, multiplier=2.0
+        self,
+        initial_loss_scale=2.0**15,
+        increment_period=2000,
+        multiplier=2.0,
+        hysteresis=1,
     ):
         self._initial = check_positive_number(
             "initial_loss_scale", initial_loss_scale
@@ -160,8 +169,10 @@ class DynamicLossScale(LossScale):
                 "`multiplier` must be greater than 1. "
                 f"Received: multiplier={multiplier!r}"
             )
+        self.hysteresis = check_positive_int("hysteresis", hysteresis)
         self._current = self._initial
         self._counter = 0
+        self._nonfinite_in_a_row = 0
 
     @property
     def initial_scale(self):
@@ -175,11 +186,14 @@ class DynamicLossScale(LossScale):
     def _step(self, finite):
         # TensorFlow's rule: grow after `increment_period` finite steps
         # (unless that overflows float32, the scale's dtype), shrink (not
-        # below 1) after a bad step.
+        # below 1) after `hysteresis` bad steps in a row.
         if not finite:
-            self._current = max(self._current / self.multiplier, 1.0)
+            self._nonfinite_in_a_row += 1
+            if self._nonfinite_in_a_row >= self.hysteresis:
+                self._current = max(self._current / self.multiplier, 1.0)
             self._counter = 0
             return
+        self._nonfinite_in_a_row = 0
         self._counter += 1
         if self._counter >= self.increment_period:
             grown = self._current * self.multiplier
@@ -188,11 +202,14 @@ class DynamicLossScale(LossScale):
             self._counter = 0
 
     def get_config(self):
-        return {
+        config = {
             "initial_loss_scale": self._initial,
             "increment_period": self.increment_period,
             "multiplier": self.multiplier,
         }
+        if self.hysteresis != 1:
+            config["hysteresis"] = self.hysteresis
+        return config
 
 
 _CLASSES = {cls.__name__: cls for cls in (FixedLossScale, DynamicLossScale)}

@@ -58,8 +58,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     they were, and `skipped_steps` counts it. In dynamic mode the scale also
     follows this rule:
 
-    - a skipped step multiplies the scale by `backoff_factor`, but not below
-      `min_scale`, and restarts the count of finite steps;
+    - a skipped step restarts the count of finite steps; the
+      `hysteresis`-th skipped step in a row, and each one after it until a
+      step is finite again, multiplies the scale by `backoff_factor`, but
+      not below `min_scale` (with the default `hysteresis=1`, every
+      skipped step does);
     - after `dynamic_growth_steps` finite steps in a row, the scale is
       multiplied by `growth_factor`, but not above `max_scale`.
 
@@ -68,9 +71,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `keras.optimizers.LossScaleOptimizer` step for step while the scale
     stays within `[min_scale, max_scale]`.
 
-    The scale, the count of finite steps since the last change and the
-    number of skipped steps are optimizer variables: they are saved with the
-    model and restored exactly.
+    The scale, the count of finite steps since the last change, the
+    number of skipped steps and the number of skipped steps in a row are
+    optimizer variables: they are saved with the model and restored
+    exactly.
+
+    A skipped step also records which variables' gradients were not finite
+    (`nonfinite_gradients`, `nonfinite_gradient_counts`). That check runs
+    only on the skipped step's branch of the step: a finite step costs the
+    one fused check over all gradients, as before.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
@@ -90,6 +99,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             tf.keras 2 (Keras 3 has no floor).
         max_scale: The ceiling of a dynamic scale, which keeps it finite.
             Defaults to `2**24`.
+        hysteresis: How many non-finite steps in a row it takes to lower a
+            dynamic scale, at least 1; every step with a non-finite
+            gradient is skipped all the same. DeepSpeed's `hysteresis` with
+            `consecutive_hysteresis=True`: a finite step restarts the
+            count. Defaults to `1` (every skipped step lowers the scale).
         name: The optimizer's name.
 
     Example:
@@ -111,6 +125,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         backoff_factor=0.5,
         min_scale=1.0,
         max_scale=2.0**24,
+        hysteresis=1,
         name=None,
         **kwargs,
     ):
@@ -144,6 +159,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         min_scale = check_positive_number("min_scale", min_scale)
         max_scale = check_positive_number("max_scale", max_scale)
+        hysteresis = check_positive_int("hysteresis", hysteresis)
         if dynamic and not min_scale <= initial_scale <= max_scale:
             raise ValueError(
                 "A dynamic scale needs min_scale <= initial_scale <= "
@@ -162,6 +178,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.skipped_steps_record = optimizer_state.SavedCounter(
             self._read_skipped_steps, self._write_skipped_steps
         )
+        # The state Keras' own optimizer lacks, each in a store of its own.
+        self._pending_extras = {}
+        self.nonfinite_streak_record = self._saved("nonfinite_streak")
+        self.nonfinite_counts_record = self._saved("nonfinite_counts")
+        self.last_nonfinite_record = self._saved("last_nonfinite_mask")
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
         # What the loop did since the last step (see `_begin_step`).
         self._loss_scaled_by = None
@@ -172,6 +193,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.backoff_factor = backoff_factor
         self.min_scale = min_scale
         self.max_scale = max_scale
+        self.hysteresis = hysteresis
 
     def build(self, var_list):
         if optimizer_state.defers_build(var_list):
@@ -188,12 +210,40 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             aggregation="none",
             name="skipped_steps",
         )
+        # Not in Keras' layout (see `_keras_layout`): each is saved in a
+        # store of its own (see `_saved`).
+        self.nonfinite_streak = self.add_variable(
+            shape=(),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="nonfinite_steps_in_a_row",
+        )
+        count = len(self._trainable_variables)
+        self.nonfinite_counts = self.add_variable(
+            shape=(count,),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="nonfinite_gradient_counts",
+        )
+        self.last_nonfinite_mask = self.add_variable(
+            shape=(count,),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="last_nonfinite_gradients",
+        )
         optimizer_state.apply_pending_values(self, self)
         pending_skipped = getattr(self, "_pending_skipped_steps", None)
         if pending_skipped is not None:
             self._pending_skipped_steps = None
             with optimizer_state.outside_tracing():
                 self.skipped_step_counter.assign(pending_skipped)
+        pending, self._pending_extras = self._pending_extras, {}
+        for name, value in pending.items():
+            with optimizer_state.outside_tracing():
+                self._write_extra(name, value)
 
     def save_own_variables(self, store):
         """Saves the state in the layout of Keras' own `LossScaleOptimizer`.
@@ -247,31 +297,55 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         optimizer_state.keep_pending_values(self, values, set_at_once=at_once)
 
     def _keras_layout(self):
-        """This optimizer's variables but the skipped-step count."""
-        skipped = getattr(self, "skipped_step_counter", None)
-        return [v for v in self.variables if v is not skipped]
+        """This optimizer's variables but those Keras' own lacks."""
+        extra = self._extra_variables()
+        return [v for v in self.variables if not _is_among(v, extra)]
+
+    def _earlier_layout(self):
+        """The variables earlier releases saved: Keras' and the
+        skipped-step count."""
+        extra = self._extra_variables()[1:]
+        return [v for v in self.variables if not _is_among(v, extra)]
+
+    def _extra_variables(self):
+        """The variables Keras' own `LossScaleOptimizer` lacks, the
+        skipped-step count first."""
+        names = (
+            "skipped_step_counter",
+            "nonfinite_streak",
+            "nonfinite_counts",
+            "last_nonfinite_mask",
+        )
+        found = (getattr(self, name, None) for name in names)
+        return [v for v in found if v is not None]
 
     def _assign_saved(self, values):
         """Assigns `values` if they fit a layout; returns whether they did.
 
-        The layouts: all variables, Keras' (all but the skipped-step
-        count), then the inner optimizer's own (see
+        The layouts: all variables (as Keras' legacy .h5 format saves
+        them), those of earlier releases (Keras' and the skipped-step
+        count), Keras' (all but the state its own wrapper lacks), then the
+        inner optimizer's own (see
         `optimizer_state.assign_optimizer_values`). Shapes, kinds of dtype
         and, where saved, names are checked before anything is assigned.
         """
         names = optimizer_state.saved_names(values)
         values = [np.asarray(v) for v in values]
-        roles = optimizer_state.roles(self)
-        skipped = getattr(self, "skipped_step_counter", None)
-        keras_roles = [
-            role
-            for role, variable in zip(roles, self.variables, strict=True)
-            if variable is not skipped
-        ]
-        layouts = (
-            (self.variables, roles),
-            (self._keras_layout(), keras_roles),
+        roles = dict(
+            zip(
+                map(id, self.variables),
+                optimizer_state.roles(self),
+                strict=True,
+            )
         )
+        layouts = [
+            (targets, [roles[id(v)] for v in targets])
+            for targets in (
+                self.variables,
+                self._earlier_layout(),
+                self._keras_layout(),
+            )
+        ]
         for targets, target_roles in layouts:
             if optimizer_state.fits(targets, values, names, target_roles):
                 for variable, value in zip(targets, values, strict=True):
@@ -296,6 +370,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.skipped_step_counter.assign(value)
         else:
             self._pending_skipped_steps = value
+
+    def _saved(self, name):
+        """A `SavedCounter` for the variable at attribute `name`."""
+
+        def read():
+            if not self.built:
+                return None
+            return keras.ops.convert_to_numpy(getattr(self, name))
+
+        def write(value):
+            if self.built:
+                self._write_extra(name, value)
+            else:
+                self._pending_extras[name] = value
+
+        return optimizer_state.SavedCounter(read, write)
+
+    def _write_extra(self, name, value):
+        # A count per variable saved for another model's variables does
+        # not fit: it is left out, and the counts start from zero.
+        variable = getattr(self, name)
+        if tuple(np.shape(value)) == tuple(variable.shape):
+            variable.assign(value)
 
     @property
     def loss_scale(self):
@@ -337,6 +434,51 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return 0
         return int(self.skipped_step_counter.numpy())
 
+    @property
+    def nonfinite_steps_in_a_row(self):
+        """Steps skipped in a row up to the last one, as an int: 0 after a
+        finite step. The scale is lowered once this reaches `hysteresis`."""
+        if not self.built:
+            return 0
+        return int(self.nonfinite_streak.numpy())
+
+    @property
+    def nonfinite_gradients(self):
+        """The paths of the variables whose gradients were not finite at
+        the last skipped step, in the order of the variables; `[]` before
+        any step was skipped.
+
+        Example: `['dense_3/kernel', 'dense_3/bias']`.
+        """
+        if not self.built:
+            return []
+        mask = keras.ops.convert_to_numpy(self.last_nonfinite_mask)
+        return [
+            variable.path
+            for variable, flagged in zip(
+                self._trainable_variables, mask, strict=True
+            )
+            if flagged
+        ]
+
+    @property
+    def nonfinite_gradient_counts(self):
+        """For each variable whose gradient was ever non-finite at a
+        skipped step, its path and the number of such steps, as a dict.
+
+        Counted since the optimizer was built, and saved with its state.
+        """
+        if not self.built:
+            return {}
+        counts = keras.ops.convert_to_numpy(self.nonfinite_counts)
+        return {
+            variable.path: int(count)
+            for variable, count in zip(
+                self._trainable_variables, counts, strict=True
+            )
+            if count
+        }
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         if not self.built:
             raise ValueError(
@@ -359,6 +501,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_at = position[id(self.dynamic_scale)]
         counter_at = position[id(self.step_counter)]
         skipped_at = position[id(self.skipped_step_counter)]
+        streak_at = position[id(self.nonfinite_streak)]
+        counts_at = position[id(self.nonfinite_counts)]
+        mask_at = position[id(self.last_nonfinite_mask)]
 
         finite = self.check_finite(grads)
 
@@ -368,27 +513,62 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled_grads = self._unscale(
                 grads, own_values[scale_at], self._trainable_variables
             )
-            return self.inner_optimizer.stateless_apply(
+            new_trainables, new_inner = self.inner_optimizer.stateless_apply(
                 inner_values, unscaled_grads, trainable_variables
+            )
+            return (
+                list(new_trainables),
+                list(new_inner),
+                own_values[counts_at],
+                own_values[mask_at],
             )
 
         def skip_step():
-            return list(trainable_variables), list(inner_values)
+            # The only place the gradients are checked one by one.
+            mask = self._nonfinite_mask(grads)
+            return (
+                list(trainable_variables),
+                list(inner_values),
+                ops.add(own_values[counts_at], mask),
+                mask,
+            )
 
-        new_trainables, new_inner_values = ops.cond(
-            finite, apply_step, skip_step
-        )
+        (
+            new_trainables,
+            new_inner_values,
+            own_values[counts_at],
+            own_values[mask_at],
+        ) = ops.cond(finite, apply_step, skip_step)
         (
             own_values[scale_at],
             own_values[counter_at],
             own_values[skipped_at],
+            own_values[streak_at],
         ) = self._next_state(
             own_values[scale_at],
             own_values[counter_at],
             own_values[skipped_at],
             finite,
+            own_values[streak_at],
         )
         return list(new_trainables), own_values + list(new_inner_values)
+
+    def _nonfinite_mask(self, grads, trainable_variables=None):
+        """An int vector, one entry per variable the optimizer was built
+        with: 1 where its gradient among `grads` holds a NaN or Inf."""
+        flags = gradient_check.nonfinite_flags(grads)
+        if trainable_variables is None:
+            by_index = flags
+        else:
+            by_index = [None] * len(self._trainable_variables)
+            for variable, flag in zip(trainable_variables, flags, strict=True):
+                by_index[self._get_variable_index(variable)] = flag
+        dtype = self.nonfinite_counts.dtype
+        zero = ops.zeros((), dtype=dtype)
+        entries = [zero if f is None else ops.cast(f, dtype) for f in by_index]
+        if not entries:
+            return ops.zeros((0,), dtype=dtype)
+        return ops.stack(entries)
 
     def _tf_apply(self, grads, trainable_variables=None):
         # Under tf.distribute, all replicas agree on skipping a step.
@@ -418,7 +598,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
                 self._count_finite_step()
             else:
-                self._stateful_handle_non_finite_grads()
+                # In place, a NaN or Inf stays one: the attribution holds.
+                self._stateful_handle_non_finite_grads(
+                    unscaled, trainable_variables
+                )
             return
         if finite is None:
             finite = self.check_finite(grads)
@@ -428,12 +611,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 lambda: self._stateful_handle_finite_grads(
                     grads, trainable_variables
                 ),
-                self._stateful_handle_non_finite_grads,
+                lambda: self._stateful_handle_non_finite_grads(
+                    grads, trainable_variables
+                ),
             )
         elif bool(finite):
             self._stateful_handle_finite_grads(grads, trainable_variables)
         else:
-            self._stateful_handle_non_finite_grads()
+            self._stateful_handle_non_finite_grads(grads, trainable_variables)
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
         unscaled_grads = self._unscale(
@@ -446,17 +631,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self._count_finite_step()
 
-    def _stateful_handle_non_finite_grads(self):
-        # Skip the step: shrink a dynamic scale, restart the count.
+    def _stateful_handle_non_finite_grads(
+        self, grads=None, trainable_variables=None
+    ):
+        # Skip the step: shrink a dynamic scale (at the `hysteresis`-th
+        # skipped step in a row), restart the count, and record which
+        # gradients were not finite (unless called without them, as
+        # `tf_replicas` does across replicas).
+        streak = ops.add(self.nonfinite_streak, 1)
         if self.dynamic:
-            self.dynamic_scale.assign(
-                ops.maximum(
-                    ops.multiply(self.dynamic_scale, self.backoff_factor),
-                    self.min_scale,
-                )
+            shrunk = ops.maximum(
+                ops.multiply(self.dynamic_scale, self.backoff_factor),
+                self.min_scale,
             )
+            if self.hysteresis > 1:
+                shrunk = ops.where(
+                    ops.greater_equal(streak, self.hysteresis),
+                    shrunk,
+                    self.dynamic_scale.value,
+                )
+            self.dynamic_scale.assign(shrunk)
+        self.nonfinite_streak.assign(streak)
         self.step_counter.assign(0)
         self.skipped_step_counter.assign_add(1)
+        if grads is not None:
+            mask = self._nonfinite_mask(grads, trainable_variables)
+            self.nonfinite_counts.assign_add(mask)
+            self.last_nonfinite_mask.assign(mask)
 
     def _count_finite_step(self):
         def grow():
@@ -471,6 +672,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def count():
             self.step_counter.assign_add(1)
 
+        self.nonfinite_streak.assign(0)
         if not self.dynamic:
             count()
             return
@@ -502,8 +704,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # variable.
         return [self._overwrite_variable_with_gradient(v) for v in variables]
 
-    def _next_state(self, scale, counter, skipped, finite):
-        """Returns the (scale, counter, skipped) that follow one step.
+    def _next_state(self, scale, counter, skipped, finite, streak):
+        """Returns the (scale, counter, skipped, streak) after one step.
 
         The pure form of the rule, for `stateless_apply`; the stateful path
         does the same with fewer ops.
@@ -511,9 +713,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = ops.convert_to_tensor(scale)
         counter = ops.convert_to_tensor(counter)
         skipped = ops.convert_to_tensor(skipped)
+        streak = ops.convert_to_tensor(streak)
         finite = ops.convert_to_tensor(finite, dtype="bool")
         counter_dtype = counter.dtype
         next_counter = ops.add(counter, ops.ones_like(counter))
+        streak = ops.where(finite, ops.zeros_like(streak), ops.add(streak, 1))
         if self.dynamic:
             grow = ops.logical_and(
                 finite,
@@ -525,7 +729,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shrunk = ops.maximum(
                 ops.multiply(scale, self.backoff_factor), self.min_scale
             )
-            scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))
+            back_off = ops.logical_and(
+                ops.logical_not(finite),
+                ops.greater_equal(streak, self.hysteresis),
+            )
+            scale = ops.where(grow, grown, ops.where(back_off, shrunk, scale))
             next_counter = ops.where(
                 grow, ops.zeros_like(counter), next_counter
             )
@@ -537,6 +745,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ops.cast(scale, "float32"),
             ops.cast(counter, counter_dtype),
             ops.cast(skipped, skipped.dtype),
+            ops.cast(streak, streak.dtype),
         )
 
     def get_config(self):
@@ -776,10 +985,12 @@ def _saved_inner_step(values):
     """Returns the inner optimizer's step count among saved values, or None.
 
     Saved by a loss-scale optimizer, the values start with its own step
-    count and learning rate, its counter and scale, (for earlier releases)
-    its skipped-step count, then the inner optimizer's step count and
-    learning rate. A tf.keras 2 file holds the inner state alone: its step
-    count comes first, followed by slots.
+    count and learning rate, its counter and scale, then (all but in
+    Keras' layout) its skipped-step count, then (in the layout of all its
+    variables) its count of skipped steps in a row and two int vectors
+    (the attribution of skipped steps), then the inner optimizer's step
+    count and learning rate. A tf.keras 2 file holds the inner state
+    alone: its step count comes first, followed by slots.
     """
     values = [np.asarray(v) for v in values]
 
@@ -790,10 +1001,21 @@ def _saved_inner_step(values):
             and values[i].dtype.kind in kinds
         )
 
-    if scalar(1, "f"):
-        at = 4 if scalar(5, "f") else 5
-    else:
+    def int_vector(i):
+        return (
+            i < len(values)
+            and values[i].ndim == 1
+            and values[i].dtype.kind in "iu"
+        )
+
+    if not scalar(1, "f"):
         at = 0
+    elif scalar(5, "f"):
+        at = 4
+    elif scalar(5, "iu") and int_vector(6) and int_vector(7):
+        at = 8
+    else:
+        at = 5
     return values[at] if scalar(at, "iu") else None
 
 
@@ -806,6 +1028,13 @@ _WRAPPER_NAMES = frozenset(
         "dynamic_scale",
         "skipped_step_counter",
         "skipped_steps_record",
+        "nonfinite_streak",
+        "nonfinite_streak_record",
+        "nonfinite_counts_record",
+        "last_nonfinite_record",
+        "_pending_extras",
+        "nonfinite_counts",
+        "last_nonfinite_mask",
     )
 )
 
@@ -818,6 +1047,7 @@ _EXTRA_DEFAULTS = {
         "backoff_factor",
         "min_scale",
         "max_scale",
+        "hysteresis",
     )
 }
 
@@ -829,6 +1059,10 @@ def release_inner_optimizer(optimizer):
     model's optimizer anew at each `compile`, and so does this package's.
     """
     optimizer.__dict__.pop("_is_wrapped_by_loss_scale_optimizer", None)
+
+
+def _is_among(variable, variables):
+    return any(variable is v for v in variables)
 
 
 def _check_inner_optimizer(inner_optimizer):

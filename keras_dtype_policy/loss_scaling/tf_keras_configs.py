@@ -36,6 +36,8 @@ def scale_settings(loss_scale):
         "min_scale": min(1.0, loss_scale.initial_scale),
         "max_scale": max(2.0**24, loss_scale.initial_scale),
     }
+    if getattr(loss_scale, "hysteresis", 1) != 1:
+        settings["hysteresis"] = loss_scale.hysteresis
     if loss_scale.multiplier != 2.0:
         settings["growth_factor"] = loss_scale.multiplier
         settings["backoff_factor"] = 1.0 / loss_scale.multiplier

@@ -24,6 +24,7 @@ PROG = "keras-dtype-policy"
 USAGE_ERROR = 2
 FAILURE = 1
 UNSAFE = 3  # `audit`: the policy is not safe for the model
+NONFINITE = 3  # `find-nonfinite`: something was not finite
 
 
 class CommandError(Exception):
@@ -49,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    """Returns the parser of the command line and its four commands."""
+    """Returns the parser of the command line and its commands."""
     from keras_dtype_policy import __version__
 
     parser = _Parser(
@@ -71,6 +72,7 @@ def build_parser():
     _add_migrate(commands)
     _add_doctor(commands)
     _add_audit(commands)
+    _add_find_nonfinite(commands)
     return parser
 
 
@@ -231,6 +233,44 @@ def _add_audit(commands):
     )
     _add_import_option(audit)
     audit.set_defaults(handler=_run_audit)
+
+
+def _add_find_nonfinite(commands):
+    command = commands.add_parser(
+        "find-nonfinite",
+        help="name the first layer (and gradients) that go inf or NaN",
+        description="Run one batch of real inputs through a .keras or .h5 "
+        "model, layer by layer, and name the first layer whose output holds "
+        "a NaN or Inf or overflows its compute dtype, with the values it "
+        "saw; with labels in the data and the model's compiled loss, also "
+        "the variables whose gradients are not finite. Exits with status 3 "
+        "when something is not finite.",
+    )
+    command.add_argument("model", metavar="MODEL", help="a .keras or .h5 file")
+    command.add_argument(
+        "--data",
+        metavar="FILE.npz",
+        required=True,
+        help="inputs in array 'x' (or one array per model input, by name) "
+        "and, optionally, labels in 'y'",
+    )
+    command.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="the batch: the first N samples (default: 32)",
+    )
+    command.add_argument(
+        "--loss-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="multiply the loss by S before the gradients, as loss scaling "
+        "does (default: 1; 32768 is where a dynamic scale starts)",
+    )
+    _add_import_option(command)
+    command.set_defaults(handler=_run_find_nonfinite)
 
 
 def _add_import_option(command):
@@ -403,6 +443,30 @@ def _lost_updates(model, x, y, args):
         return lost_updates(model, x, y, args.learning_rate, dtype=dtype)
     except (TypeError, ValueError) as error:
         raise CommandError(f"{args.model}: {error}") from None
+
+
+def _run_find_nonfinite(args):
+    from keras_dtype_policy.tf_keras_compat import model_files
+    from keras_dtype_policy.tools import nonfinite
+
+    _import_modules(args.imports)
+    x, y = _read_audit_data(args.data, args.samples)
+    try:
+        model, _ = model_files.load_model(
+            model_files.read_model_file(args.model)
+        )
+    except model_files.ModelFileError as error:
+        raise CommandError(_with_hint(error)) from None
+    if isinstance(x, dict):
+        x = _inputs_by_name(model, x, args.data)
+    try:
+        report = nonfinite.find_nonfinite(
+            model, x, y, loss_scale=args.loss_scale
+        )
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"{args.model}: {error}") from None
+    print(str(report))
+    return NONFINITE if report else 0
 
 
 def _check_policy_option(name):

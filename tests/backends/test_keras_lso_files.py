@@ -32,10 +32,16 @@ READER = pathlib.Path(__file__).with_name("keras_alone_reader.py")
 
 def optimizer_values(optimizer):
     """The optimizer's values in the layout of Keras' own wrapper."""
+    # The package's own state (skipped steps, the non-finite steps in a
+    # row and the attribution of skipped steps) is saved apart.
+    own = (
+        "/skipped_steps",
+        "/nonfinite_steps_in_a_row",
+        "/nonfinite_gradient_counts",
+        "/last_nonfinite_gradients",
+    )
     return [
-        to_numpy(v)
-        for v in optimizer.variables
-        if not v.path.endswith("/skipped_steps")
+        to_numpy(v) for v in optimizer.variables if not v.path.endswith(own)
     ]
 
 
