@@ -6,6 +6,10 @@ the predictions within float16/bfloat16 rounding: rtol = atol = 2e-2 (the
 backends compute half-precision matmuls differently; float32 layers agree
 to 1e-6). Loading must not import the backend library that saved the file
 (beyond what `import keras` itself imports when it is installed).
+
+A `kahan_bfloat16` model trained by the `LowPrecisionOptimizer` travels
+with it: its bfloat16 weights, Kahan compensation buffers and optimizer
+state must come back bit for bit on the other backend.
 """
 
 import itertools
@@ -76,3 +80,20 @@ def test_round_trip(saved, source, target, tmp_path):
         after["predictions"], before["predictions"], rtol=2e-2, atol=2e-2
     )
     assert source not in after["newly_imported"]
+    assert_low_precision_kept(before["low_precision"], after["low_precision"])
+
+
+def assert_low_precision_kept(before, after):
+    """The `kahan_bfloat16` model came back bit for bit."""
+    assert after["optimizer"] == before["optimizer"]
+    assert before["optimizer"] == "LowPrecisionOptimizer"
+    assert after["update"] == before["update"] == "kahan"
+    assert after["weight_dtypes"] == before["weight_dtypes"]
+    assert set(before["weight_dtypes"]) == {"bfloat16"}
+    for old, new in zip(before["weights"], after["weights"], strict=True):
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+    assert len(after["optimizer_values"]) == len(before["optimizer_values"])
+    for old, new in zip(
+        before["optimizer_values"], after["optimizer_values"], strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))

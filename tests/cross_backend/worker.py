@@ -8,6 +8,10 @@ overflows, so the loss scale moves) and saves it; `load` loads it. Both
 write what they see to STATE.json: every layer's policy, the loss-scale
 state, every optimizer value, the predictions on fixed inputs, and which
 backend libraries the process imported beyond those `import keras` did.
+Beside it, each side saves (or loads) a `kahan_bfloat16` model trained by
+the `LowPrecisionOptimizer` the compile hook installs: its bfloat16
+weights, compensation buffers and bfloat16 optimizer state go under
+"low_precision" in STATE.json.
 """
 
 import json
@@ -44,6 +48,40 @@ def build_and_train():
     for batch in [INPUTS, INPUTS * 1e6, INPUTS, INPUTS]:
         model.train_on_batch(batch, targets)
     return model
+
+
+def build_and_train_low_precision():
+    keras.utils.set_random_seed(0)
+    with kdp.policy_scope("kahan_bfloat16"):
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(16, activation="relu", name="hidden"),
+                keras.layers.Dense(1, name="head"),
+            ]
+        )
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    targets = np.ones((8, 1), "float32")
+    for _ in range(3):
+        model.train_on_batch(INPUTS, targets)
+    return model
+
+
+def describe_low_precision(model):
+    optimizer = model.optimizer
+    return {
+        "optimizer": type(optimizer).__name__,
+        "update": optimizer.update,
+        "weight_dtypes": [str(w.dtype) for w in model.weights],
+        "weights": [
+            np.asarray(keras.ops.convert_to_numpy(w), "float64").tolist()
+            for w in model.weights
+        ],
+        "optimizer_values": [
+            np.asarray(keras.ops.convert_to_numpy(v), "float64").tolist()
+            for v in optimizer.variables
+        ],
+    }
 
 
 def describe(model):
@@ -83,13 +121,19 @@ def describe(model):
 
 
 def main(mode, model_path, state_path):
+    low_precision_path = model_path.replace(".keras", "_low_precision.keras")
     if mode == "save":
         model = build_and_train()
         model.save(model_path)
+        low_precision = build_and_train_low_precision()
+        low_precision.save(low_precision_path)
     else:
         model = keras.saving.load_model(model_path)
+        low_precision = keras.saving.load_model(low_precision_path)
+    state = describe(model)
+    state["low_precision"] = describe_low_precision(low_precision)
     with open(state_path, "w") as f:
-        json.dump(describe(model), f)
+        json.dump(state, f)
 
 
 if __name__ == "__main__":
