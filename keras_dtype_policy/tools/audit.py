@@ -26,6 +26,7 @@ from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import load_override
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tools.float_tensors import float_tensors
 
 # A dynamic LossScaleOptimizer starts at 2**15 and halves on overflow.
 INITIAL_SCALE = 2.0**15
@@ -505,18 +506,7 @@ def _recorder(call, inputs, outputs):
 
 
 def _float_values(structure):
-    values = []
-    for value in keras.tree.flatten(structure):
-        dtype = getattr(value, "dtype", None)
-        if dtype is None or not hasattr(value, "shape"):
-            continue
-        try:
-            dtype = keras.backend.standardize_dtype(dtype)
-        except ValueError:
-            continue
-        if keras.backend.is_float_dtype(dtype):
-            values.append(_numpy(value))
-    return values
+    return [_numpy(value) for value in float_tensors(structure)]
 
 
 def _numpy(value):

@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.tools.float_tensors import float_tensors
 
 
 @dataclasses.dataclass
@@ -242,29 +243,14 @@ def _recorder(path, layer, records):
 
     def recording_call(*args, **kwargs):
         result = call(*args, **kwargs)
-        records.append((path, layer, _float_tensors(result)))
+        records.append((path, layer, float_tensors(result)))
         return result
 
     return recording_call
 
 
-def _float_tensors(structure):
-    found = []
-    for value in keras.tree.flatten(structure):
-        dtype = getattr(value, "dtype", None)
-        if dtype is None or not hasattr(value, "shape"):
-            continue
-        try:
-            dtype = keras.backend.standardize_dtype(dtype)
-        except ValueError:
-            continue
-        if keras.backend.is_float_dtype(dtype):
-            found.append(value)
-    return found
-
-
 def _all_finite(structure):
-    values = _float_tensors(structure)
+    values = float_tensors(structure)
     return all(np.isfinite(_numpy(v)).all() for v in values)
 
 
