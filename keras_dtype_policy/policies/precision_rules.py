@@ -3,6 +3,9 @@
 A `PrecisionRules` holds a default policy and a list of `PrecisionRule`s;
 the last rule that matches a layer decides its policy, so rules added later
 override earlier ones. `float16_rules()` is the default set for float16.
+A float8 policy (`"float8_from_mixed_bfloat16"`, or a rule's bare
+`"float8"`) reaches only the layers that can train in float8; the others
+get its source policy (see `float8.py`).
 """
 
 import dataclasses
@@ -10,6 +13,7 @@ import fnmatch
 
 import keras
 
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.policy import DTypePolicy
 
@@ -37,6 +41,46 @@ def float_policy(argument_name, value):
         f"`{argument_name}` must be the name of a floating-point policy, "
         "such as 'float32', 'mixed_float16' or 'mixed_bfloat16', or such a "
         f"policy. Received: {argument_name}={value!r}"
+    )
+
+
+def rule_policy(argument_name, value, bare_float8=False):
+    """Returns `value` as the policy of a rule or of a rules' default.
+
+    Accepts what `float_policy` accepts, float8 policies
+    (`"float8_from_mixed_bfloat16"` or a
+    `keras.dtype_policies.QuantizedFloat8DTypePolicy`) and, with
+    `bare_float8`, `"float8"`: float8 over the rules' default policy.
+
+    Raises:
+        ValueError: naming `argument_name`, for anything else.
+    """
+    if isinstance(value, float8.Float8FromDefault) or (
+        isinstance(value, str) and value == float8.FLOAT8_MODE
+    ):
+        if bare_float8:
+            return float8.FLOAT8_FROM_DEFAULT
+        raise ValueError(
+            f"`{argument_name}` 'float8' needs the policy it quantizes "
+            "from, such as 'float8_from_mixed_bfloat16'. Received: "
+            f"{argument_name}={value!r}"
+        )
+    if float8.is_float8_policy(value):
+        return value
+    if float8.is_float8_name(value):
+        return float8.float8_policy(
+            value.split("_from_", 1)[1], argument_name
+        )
+    try:
+        return float_policy(argument_name, value)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"`{argument_name}` must be the name of a floating-point policy, "
+        "such as 'float32', 'mixed_float16' or 'mixed_bfloat16', a float8 "
+        "policy such as 'float8_from_mixed_bfloat16'"
+        + (" or 'float8'" if bare_float8 else "")
+        + f", or such a policy. Received: {argument_name}={value!r}"
     )
 
 
@@ -88,7 +132,10 @@ class PrecisionRule:
 
     Args:
         policy: The policy for matching layers: a name such as `"float32"`
-            or a `keras.DTypePolicy`.
+            or a `keras.DTypePolicy`. A float8 policy
+            (`"float8_from_mixed_bfloat16"`), or `"float8"` for float8 over
+            the rules' default, reaches the matching layers that can train
+            in float8 (`Dense`, `EinsumDense`); the others get its source.
         layers: Layer classes, or their names (`"Softmax"`); subclasses
             match too.
         names: Patterns in `fnmatch` syntax (`"*logits*"`) matched against
@@ -111,7 +158,9 @@ class PrecisionRule:
     paths: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "policy", float_policy("policy", self.policy))
+        object.__setattr__(
+            self, "policy", rule_policy("policy", self.policy, True)
+        )
         object.__setattr__(self, "layers", _class_names(self.layers))
         object.__setattr__(self, "names", _strings("names", self.names))
         object.__setattr__(self, "paths", _strings("paths", self.paths))
@@ -125,6 +174,10 @@ class PrecisionRule:
             raise TypeError(
                 f"`why` must be a string. Received: why={self.why!r}"
             )
+
+    def __hash__(self):
+        # Keras' float8 policies are not hashable: hash by name.
+        return hash((self.policy.name, self.layers, self.names, self.paths))
 
     def matches(self, layer, path=None):
         """Returns True if the rule applies to `layer`.
@@ -173,7 +226,9 @@ class PrecisionRules:
 
     Args:
         default: The policy of every layer that no rule matches: a name or
-            a `keras.DTypePolicy`.
+            a `keras.DTypePolicy`. A float8 default
+            (`"float8_from_mixed_bfloat16"`) puts every layer that can
+            train in float8 there, and the others in its source policy.
         rules: `PrecisionRule`s. The last one that matches a layer wins.
 
     Example:
@@ -187,7 +242,7 @@ class PrecisionRules:
     """
 
     def __init__(self, default, rules=()):
-        self._default = float_policy("default", default)
+        self._default = rule_policy("default", default)
         rules = tuple(rules)
         for rule in rules:
             if not isinstance(rule, PrecisionRule):
@@ -196,6 +251,17 @@ class PrecisionRules:
                     f"Received: {rule!r} (of type {type(rule).__name__})"
                 )
         self._rules = rules
+        self._float8 = None
+        if any(
+            isinstance(rule.policy, float8.Float8FromDefault) for rule in rules
+        ):
+            self._float8 = self._float8_over_default()
+
+    def _float8_over_default(self):
+        """The policy a rule's bare "float8" stands for."""
+        if float8.is_float8_policy(self._default):
+            return self._default
+        return float8.float8_policy(self._default, "default")
 
     @property
     def default(self):
@@ -213,7 +279,10 @@ class PrecisionRules:
         `path` is the layer's path in its model, for rules with `paths`.
         """
         rule = self.rule_for(layer, path)
-        return self._default if rule is None else rule.policy
+        policy = self._default if rule is None else rule.policy
+        if isinstance(policy, float8.Float8FromDefault):
+            policy = self._float8
+        return float8.policy_for_layer(policy, layer)
 
     def rule_for(self, layer, path=None):
         """Returns the rule that decides `layer`'s policy, or None."""
@@ -265,7 +334,8 @@ class PrecisionRules:
         return self.get_config() == other.get_config()
 
     def __hash__(self):
-        return hash((self._default, self._rules))
+        # Keras' float8 policies are not hashable: hash by names.
+        return hash((self._default.name, self._rules))
 
     def __repr__(self):
         return (

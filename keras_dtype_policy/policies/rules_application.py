@@ -20,6 +20,7 @@ import threading
 import keras
 import numpy as np
 
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import introspection
 from keras_dtype_policy.policies import precision_rules
 
@@ -46,7 +47,9 @@ _LAYER_INIT_ARGUMENTS = (
 
 
 def make_layer_init(original):
-    """Returns `Layer.__init__` that lets an active scope pick the policy."""
+    """Returns `Layer.__init__` that lets an active scope pick the policy,
+    and gives a layer that cannot train in float8 the source policy of the
+    float8 policy it was given (`float8.settle_layer_policy`)."""
     found = tuple(inspect.signature(original).parameters)
     if found != _LAYER_INIT_ARGUMENTS:
         raise RuntimeError(
@@ -77,6 +80,7 @@ def make_layer_init(original):
         choosers = _choosers()
         if choosers:
             on_layer_created(self, dtype, choosers[-1])
+        float8.settle_layer_policy(self)
 
     __init__.__doc__ = original.__doc__
     return __init__
@@ -321,6 +325,7 @@ def _set_container_policies(model, choices):
             continue
         chosen = choices.get(id(container))
         if chosen is not None:
+            chosen = float8.policy_for_layer(chosen, container)
             if container.dtype_policy.name != chosen.name:
                 container._dtype_policy = chosen
             continue
@@ -333,8 +338,11 @@ def _set_container_policies(model, choices):
             continue
         counts = {}
         for leaf in leaves:
-            counts.setdefault(leaf.dtype_policy.name, [0, leaf.dtype_policy])
-            counts[leaf.dtype_policy.name][0] += 1
+            # A model cannot train in float8: float8 leaves count as their
+            # source policy.
+            policy = float8.policy_for_layer(leaf.dtype_policy, container)
+            counts.setdefault(policy.name, [0, policy])
+            counts[policy.name][0] += 1
         name, (_, policy) = max(counts.items(), key=lambda item: item[1][0])
         if container.dtype_policy.name != name:
             container._dtype_policy = policy
@@ -378,12 +386,11 @@ def _check_model(model):
 def _copy_weights(old, new):
     old_weights = old.weights
     new_weights = new.weights
-    if len(old_weights) != len(new_weights):
-        raise ValueError(
-            f"The copy of model {old.name!r} has {len(new_weights)} weights "
-            f"instead of {len(old_weights)}; it cannot take its weights"
-        )
-    for source, target in zip(old_weights, new_weights, strict=True):
+    if len(old_weights) == len(new_weights):
+        pairs = zip(old_weights, new_weights, strict=True)
+    else:
+        pairs = _pairs_by_layer(old, new)
+    for source, target in pairs:
         value = keras.ops.convert_to_numpy(source.value)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(
@@ -394,6 +401,55 @@ def _copy_weights(old, new):
         if target.dtype != source.dtype:
             value = _cast_checked(value, target)
         target.assign(value)
+
+
+def _pairs_by_layer(old, new):
+    """Pairs the weights of two copies layer by layer, by name.
+
+    Where a layer trains in float8 in one copy only, it has float8 scaling
+    state there (variables overwritten with their gradient, such as
+    `inputs_scale`): the new copy's starts at Keras' initial values, the
+    old copy's is left behind. Any other difference is an error.
+    """
+    old_layers = introspection.layer_paths(old)
+    new_layers = introspection.layer_paths(new)
+    if [type(layer) for _, layer in old_layers] != [
+        type(layer) for _, layer in new_layers
+    ]:
+        raise ValueError(
+            f"The copy of model {old.name!r} holds other layers than the "
+            "model; it cannot take its weights"
+        )
+    layers = [(old, new)] + [
+        (old_layer, new_layer)
+        for (_, old_layer), (_, new_layer) in zip(
+            old_layers, new_layers, strict=True
+        )
+    ]
+    pairs = []
+    for old_layer, new_layer in layers:
+        old_own = {v.name: v for v in introspection.own_weights(old_layer)}
+        new_own = {v.name: v for v in introspection.own_weights(new_layer)}
+        for name, target in new_own.items():
+            if name in old_own:
+                pairs.append((old_own[name], target))
+            elif not _is_float8_scaling_state(target):
+                raise ValueError(
+                    f"The copy of model {old.name!r} has weight "
+                    f"{target.path}, which the original lacks; it cannot "
+                    "take its weights"
+                )
+        for name, source in old_own.items():
+            if name not in new_own and not _is_float8_scaling_state(source):
+                raise ValueError(
+                    f"The copy of model {old.name!r} lacks the original's "
+                    f"weight {source.path}; it cannot take its weights"
+                )
+    return pairs
+
+
+def _is_float8_scaling_state(variable):
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _cast_checked(value, variable):

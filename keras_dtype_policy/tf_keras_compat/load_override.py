@@ -19,7 +19,9 @@ def load_model(path, policy=None, rules=None, keep_float32=True):
             or a SavedModel directory that tf.keras 2 wrote (reading it
             needs TensorFlow).
         policy: The policy of every layer, such as `"float32"` or
-            `"mixed_bfloat16"`; or None.
+            `"mixed_bfloat16"`; or a float8 policy such as
+            `"float8_from_mixed_bfloat16"` (float8 for the layers that can
+            train in it, its source policy for the rest); or None.
         rules: A `PrecisionRules` deciding each layer's policy instead
             (give `policy` or `rules`, not both); or None.
         keep_float32: Keep the layers that the file pins to float32 (those
@@ -64,6 +66,6 @@ def override_rules(policy, rules):
         return rules
     if policy is not None:
         return precision_rules.PrecisionRules(
-            precision_rules.float_policy("policy", policy)
+            precision_rules.rule_policy("policy", policy)
         )
     return None
