@@ -6,14 +6,16 @@ and the layer has a float8 path (`Dense` and `EinsumDense`); any other
 layer, a model included, fails on its first call under such a policy (keras
 #23479). Here a float8 policy means float8 where a layer can train in it and
 its source policy (`"mixed_bfloat16"` for `"float8_from_mixed_bfloat16"`)
-everywhere else: every new layer is settled so (the `Layer.__init__` patch
-calls `settle_layer_policy`), and precision rules resolve through
+everywhere else, as a `Float8SourcePolicy` that remembers the float8
+policy: every new layer is settled so (the `Layer.__init__` patch calls
+`settle_layer_policy`), and precision rules resolve through
 `policy_for_layer`.
 """
 
 import keras
 
 from keras_dtype_policy.policies.policy import DTypePolicy
+from keras_dtype_policy.policies.registration import register
 
 FLOAT8_MODE = "float8"
 _SEPARATOR = "_from_"
@@ -58,12 +60,7 @@ def source_name(policy):
     return policy.name.split(_SEPARATOR, 1)[1]
 
 
-def source_policy(policy):
-    """Returns the float `DTypePolicy` a float8 policy quantizes from."""
-    return DTypePolicy(source_name(policy))
-
-
-def float8_policy(source, argument_name="policy", amax_history_length=None):
+def quantized_policy(source, argument_name="policy", amax_history_length=None):
     """Returns Keras' float8 policy over a float source policy.
 
     Args:
@@ -85,16 +82,94 @@ def float8_policy(source, argument_name="policy", amax_history_length=None):
     if amax_history_length is not None:
         kwargs["amax_history_length"] = amax_history_length
     try:
-        return keras.dtype_policies.QuantizedFloat8DTypePolicy(
+        policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
             FLOAT8_MODE, name, **kwargs
         )
     except (TypeError, ValueError) as error:
+        policy = error
+    if isinstance(policy, Exception) or not keras.backend.is_float_dtype(
+        policy.compute_dtype
+    ):
         raise ValueError(
             f"`{argument_name}`: float8 layers quantize from one of Keras' "
             f"own float policies ({_SOURCE_FORMS} or 'float16'); "
             f"{name!r} is not one. Received: {argument_name}="
-            f"{FLOAT8_MODE}{_SEPARATOR}{name} ({error})"
-        ) from error
+            f"{FLOAT8_MODE}{_SEPARATOR}{name}"
+        ) from (policy if isinstance(policy, Exception) else None)
+    return policy
+
+
+@register
+class Float8SourcePolicy(DTypePolicy):
+    """A float8 policy's source policy, on a layer that cannot use float8.
+
+    It computes and keeps variables as its source policy does, and equals
+    it (`Float8SourcePolicy("float8_from_mixed_bfloat16")` equals
+    `DTypePolicy("mixed_bfloat16")`), so the compile hook and Keras treat
+    the layer as a `"mixed_bfloat16"` one. It remembers the float8 policy:
+    a layer that can train in float8 and is given this policy (keras-hub
+    models pass their own `dtype` to every layer they make) gets the float8
+    policy, and a saved model's config keeps it.
+
+    Args:
+        float8_policy: The float8 policy's name, such as
+            `"float8_from_mixed_bfloat16"`.
+        amax_history_length: The length of its scaling history; Keras'
+            default where None.
+
+    Example:
+
+    >>> policy = Float8SourcePolicy("float8_from_mixed_bfloat16")
+    >>> policy.name, policy.float8_policy.name
+    ('mixed_bfloat16', 'float8_from_mixed_bfloat16')
+    """
+
+    def __init__(self, float8_policy, amax_history_length=None):
+        if not is_float8_name(float8_policy):
+            raise ValueError(
+                "`float8_policy` must name a float8 policy, such as "
+                "'float8_from_mixed_bfloat16'. Received: "
+                f"float8_policy={float8_policy!r}"
+            )
+        quantized = quantized_policy(
+            float8_policy.split(_SEPARATOR, 1)[1],
+            "float8_policy",
+            amax_history_length,
+        )
+        super().__init__(source_name(quantized))
+        self._float8_policy = quantized
+
+    @property
+    def float8_policy(self):
+        """The float8 policy whose source this is."""
+        return self._float8_policy
+
+    def get_config(self):
+        return {
+            "float8_policy": self._float8_policy.name,
+            "amax_history_length": self._float8_policy.amax_history_length,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """Builds a policy from the output of `get_config`."""
+        if not isinstance(config, dict) or "float8_policy" not in config:
+            raise ValueError(
+                f"A {cls.__name__} config must be a dict with a "
+                f"'float8_policy' key. Received: config={config!r}"
+            )
+        return cls(**config)
+
+    def __repr__(self):
+        return (
+            f'<Float8SourcePolicy "{self.name}" of '
+            f'"{self._float8_policy.name}">'
+        )
+
+
+def source_for(policy):
+    """Returns the `Float8SourcePolicy` of a float8 policy."""
+    return Float8SourcePolicy(policy.name, policy.amax_history_length)
 
 
 def _defining_class(cls, attribute):
@@ -124,17 +199,22 @@ def trains_in_float8(layer):
 
 
 def policy_for_layer(policy, layer):
-    """Returns the policy `layer` gets from `policy`: a float8 policy's
-    source policy for a layer that cannot train in float8, else `policy`.
+    """Returns the policy `layer` gets from `policy`.
+
+    A float8 policy gives a layer that cannot train in float8 its
+    `Float8SourcePolicy`; a `Float8SourcePolicy` gives a layer that can
+    its float8 policy; any other policy is returned as it is.
     """
     if is_float8_policy(policy) and not trains_in_float8(layer):
-        return source_policy(policy)
+        return source_for(policy)
+    if isinstance(policy, Float8SourcePolicy) and trains_in_float8(layer):
+        return policy.float8_policy
     return policy
 
 
 def settle_layer_policy(layer):
-    """Gives a new layer that cannot train in float8 the source policy of
-    the float8 policy it was given (by `dtype=` or the global policy)."""
+    """Gives a new layer the policy `policy_for_layer` picks from the one
+    it was given (by `dtype=` or the global policy)."""
     policy = getattr(layer, "_dtype_policy", None)
-    if is_float8_policy(policy) and not trains_in_float8(layer):
-        layer._dtype_policy = source_policy(policy)
+    if is_float8_policy(policy) or isinstance(policy, Float8SourcePolicy):
+        layer._dtype_policy = policy_for_layer(policy, layer)

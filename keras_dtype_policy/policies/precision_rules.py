@@ -68,7 +68,7 @@ def rule_policy(argument_name, value, bare_float8=False):
     if float8.is_float8_policy(value):
         return value
     if float8.is_float8_name(value):
-        return float8.float8_policy(
+        return float8.quantized_policy(
             value.split("_from_", 1)[1], argument_name
         )
     try:
@@ -261,7 +261,7 @@ class PrecisionRules:
         """The policy a rule's bare "float8" stands for."""
         if float8.is_float8_policy(self._default):
             return self._default
-        return float8.float8_policy(self._default, "default")
+        return float8.quantized_policy(self._default, "default")
 
     @property
     def default(self):

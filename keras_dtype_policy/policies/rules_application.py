@@ -325,9 +325,7 @@ def _set_container_policies(model, choices):
             continue
         chosen = choices.get(id(container))
         if chosen is not None:
-            chosen = float8.policy_for_layer(chosen, container)
-            if container.dtype_policy.name != chosen.name:
-                container._dtype_policy = chosen
+            container._dtype_policy = float8.policy_for_layer(chosen, container)
             continue
         leaves = [
             layer
@@ -341,11 +339,11 @@ def _set_container_policies(model, choices):
             # A model cannot train in float8: float8 leaves count as their
             # source policy.
             policy = float8.policy_for_layer(leaf.dtype_policy, container)
-            counts.setdefault(policy.name, [0, policy])
-            counts[policy.name][0] += 1
-        name, (_, policy) = max(counts.items(), key=lambda item: item[1][0])
-        if container.dtype_policy.name != name:
-            container._dtype_policy = policy
+            key = (type(policy).__name__, policy.name)
+            counts.setdefault(key, [0, policy])
+            counts[key][0] += 1
+        _, (_, policy) = max(counts.items(), key=lambda item: item[1][0])
+        container._dtype_policy = policy
 
 
 def _is_functional(layer):

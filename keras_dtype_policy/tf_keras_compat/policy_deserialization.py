@@ -1,7 +1,10 @@
 """Policy lookup and deserialization: this package's and tf.keras' forms."""
 
+import contextlib
+
 import keras
 
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.policies.registration import PACKAGE
@@ -32,11 +35,27 @@ def make_from_config(original_from_config):
         if is_package_policy_config(dtype):
             config = dict(config)
             config["dtype"] = keras.dtype_policies.deserialize(dtype)
+        policy = config.get("dtype") if isinstance(config, dict) else None
+        if isinstance(policy, float8.Float8SourcePolicy):
+            # The layers its constructor makes in code took the float8
+            # policy from the global one when it was saved: so again.
+            with _global_policy(policy.float8_policy):
+                return original(cls, config)
         return original(cls, config)
 
     from_config.__doc__ = original.__doc__
     from_config.__wrapped__ = original
     return classmethod(from_config)
+
+
+@contextlib.contextmanager
+def _global_policy(policy):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def is_package_policy_config(config):
