@@ -90,6 +90,7 @@ def render_backend(result):
         ("audit", audit_section),
         ("scaling_cost", _scaling_cost_section),
         ("low_precision", low_precision_section),
+        ("float8", float8_section),
     )
     for key, section in sections:
         if key in result:
@@ -408,6 +409,57 @@ def low_precision_section(results):
             lines.append(f"- {verdict}: {_target_text(check)}")
         if task["targets"]:
             lines.append("")
+    return lines
+
+
+def float8_section(results):
+    """Returns the markdown lines of the float8 benchmark."""
+    example = results["keras_example"]
+    lines = [
+        "### 8. Training under a global float8 policy",
+        "",
+        "Adam, the same initial weights and batches for every "
+        "configuration; held-out loss (lower is better) and its ratio to "
+        "mixed_bfloat16's; step time over mixed_bfloat16's (ratio of "
+        "medians over the chunks of `fit` that took turns, with the "
+        "interquartile range of the paired ratios). float8 is emulated on "
+        "a CPU: the step time is the emulation's cost, not float8's speed. "
+        f"For scale, Keras' own float8 example reports {example['float8']}% "
+        f"test accuracy against {example['mixed_bfloat16']}% in "
+        "mixed_bfloat16.",
+        "",
+    ]
+    for name, task in results["tasks"].items():
+        setup = task["setup"]
+        lines += [
+            f"{name}: {setup['description']}; {setup['steps']} steps in "
+            f"{setup['chunks']} chunks, learning rate "
+            f"{setup['learning_rate']:g}, jit_compile={setup['jit_compile']}.",
+            "",
+            "| configuration | float8 layers | test loss | loss over mixed "
+            "| ms/step | time over mixed |",
+            "|---|---|---|---|---|---|",
+        ]
+        for configuration, row in task["rows"].items():
+            lines.append(
+                f"| {configuration} | {row['float8_layers']} "
+                f"| {row['test_loss']:.4f} | {row['loss_over_mixed']:.4f} "
+                f"| {row['step_time']['median'] * 1e3:.3g} "
+                f"| {_paired(row['time_over_mixed'])} |"
+            )
+        if not results.get("device", "cpu").startswith("gpu"):
+            lines.append(
+                "| float8_from_mixed_bfloat16 on a GPU with float8 units "
+                "| | to fill | | | to fill |"
+            )
+        lines.append("")
+    if not results.get("device", "cpu").startswith("gpu"):
+        lines += [
+            "The GPU rows are to be filled from `python "
+            "tests/benchmarks/run.py --backend jax --only float8` on a GPU "
+            "with float8 units (H100 or later); no such machine ran this.",
+            "",
+        ]
     return lines
 
 

@@ -112,6 +112,7 @@ def smoke(backend):
         "Memory",
         "numerics audit",
         "compensated updates",
+        "global float8 policy",
     ):
         _expect(title in markdown, f"{title!r} in the markdown")
     low = result["low_precision"]["tasks"]
@@ -132,6 +133,15 @@ def smoke(backend):
                 _expect(
                     got == expected, f"{name}: {expected} bytes a parameter"
                 )
+    eight = result["float8"]["tasks"]
+    _expect(set(eight) == {"char_lm", "regression"}, "two float8 tasks")
+    for task in eight.values():
+        rows = task["rows"]
+        _expect(rows["float32"]["float8_layers"] == 0, "float32: no float8")
+        _expect(
+            rows["float8_from_mixed_bfloat16"]["float8_layers"] > 0,
+            "float8 layers under the float8 policy",
+        )
     for key in ("cpu", "cpu_flags", "versions", "date"):
         _expect(key in result["machine"], f"machine {key}")
     _expect(result["settings"]["backend"] == backend, "settings recorded")

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "audit",
     "scaling_cost",
     "low_precision",
+    "float8",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
