@@ -214,7 +214,19 @@ def policy_for_layer(policy, layer):
 
 def settle_layer_policy(layer):
     """Gives a new layer the policy `policy_for_layer` picks from the one
-    it was given (by `dtype=` or the global policy)."""
+    it was given (by `dtype=` or the global policy).
+
+    A layer that trains in float8 gets a float8 policy of its own: Keras
+    writes into the policy objects of a `DTypePolicyMap` it serializes
+    (keras-hub saves its models' float8 layers in one), and the global
+    policy must not change when a model is saved.
+    """
     policy = getattr(layer, "_dtype_policy", None)
     if is_float8_policy(policy) or isinstance(policy, Float8SourcePolicy):
-        layer._dtype_policy = policy_for_layer(policy, layer)
+        chosen = policy_for_layer(policy, layer)
+        if is_float8_policy(chosen):
+            chosen = quantized_policy(
+                source_name(chosen),
+                amax_history_length=chosen.amax_history_length,
+            )
+        layer._dtype_policy = chosen

@@ -109,8 +109,9 @@ def _choosing(chooser):
 def precision_scope(rules):
     """Layers created in this block get their policy from `rules`.
 
-    Layers given a `dtype` explicitly keep it. Outside the block, layers
-    get the global policy again.
+    Layers given a `dtype` explicitly keep it (except the policy a model
+    under a float8 policy hands to the layers it makes). Outside the block,
+    layers get the global policy again.
 
     Args:
         rules: A `PrecisionRules`, or a policy name for rules with no
@@ -130,7 +131,11 @@ def precision_scope(rules):
     rules = _as_rules(rules)
 
     def chooser(layer, requested_dtype):
-        if requested_dtype is not None:
+        # A float8 policy's source passed down is a model handing its own
+        # policy to the layers it makes (keras-hub does), not a choice.
+        if requested_dtype is not None and not isinstance(
+            requested_dtype, float8.Float8SourcePolicy
+        ):
             return None
         return rules.policy_for(layer)
 

@@ -375,3 +375,35 @@ def test_migrate_command_accepts_a_float8_policy(tmp_path):
     assert isinstance(
         migrated.get_layer("norm").dtype_policy, float8.Float8SourcePolicy
     )
+
+
+def test_float8_source_policy_computes_and_compares_as_its_source():
+    policy = float8.Float8SourcePolicy("float8_from_mixed_float16", 16)
+    assert policy == kdp.DTypePolicy("mixed_float16")
+    assert (policy.compute_dtype, policy.variable_dtype) == (
+        "float16",
+        "float32",
+    )
+    assert policy.float8_policy.amax_history_length == 16
+    again = keras.dtype_policies.deserialize(
+        keras.dtype_policies.serialize(policy)
+    )
+    assert isinstance(again, float8.Float8SourcePolicy)
+    assert again.float8_policy == policy.float8_policy
+    # A layer that trains in float8 given it gets the float8 policy.
+    dense = keras.layers.Dense(2, dtype=policy)
+    assert dense.dtype_policy.name == "float8_from_mixed_float16"
+    assert dense.dtype_policy.amax_history_length == 16
+
+
+@pytest.mark.parametrize("value", ["mixed_bfloat16", None, "float8_from_x"])
+def test_float8_source_policy_names_a_bad_argument(value):
+    with pytest.raises(ValueError, match="float8_policy"):
+        float8.Float8SourcePolicy(value)
+
+
+def test_saving_leaves_the_global_float8_policy_alone(tmp_path):
+    model = trained_float8_model()
+    model.save(os.path.join(tmp_path, "model.keras"))
+    assert kdp.dtype_policy().name == "float8_from_mixed_bfloat16"
+    assert model.get_layer("hidden").dtype_policy is not kdp.dtype_policy()
