@@ -14,6 +14,7 @@ policy: every new layer is settled so (the `Layer.__init__` patch calls
 
 import keras
 
+from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.policies.registration import register
 
@@ -188,7 +189,7 @@ def trains_in_float8(layer):
     `build`, which the float8 path would skip.
     """
     cls = type(layer)
-    owner = _defining_class(cls, "_float8_call")
+    owner = _defining_class(cls, keras_internals.FLOAT8_CALL)
     if owner is None or owner in keras.layers.Layer.__mro__:
         return False
     for attribute in ("call", "build"):

@@ -11,6 +11,10 @@ where, when no known place has it:
   3.15, `BaseTrainer` from 3.16);
 - the quantization modes (the `QUANTIZATION_MODES` tuple up to Keras 3.15,
   a registry of quantization strategies from 3.16).
+
+It also names the internals that have not moved yet but that the package
+reads: `FLOAT8_CALL`, the method of a layer's float8 path (`Dense` and
+`EinsumDense` define it; `keras.Layer`'s only raises).
 """
 
 import importlib
@@ -27,6 +31,9 @@ _LOWEST_TESTED = (3, 12)
 _FIRST_UNTESTED = (3, 17)
 # The distributions that install the `keras` module.
 _KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
+
+# The method a layer with a float8 path defines (Keras 3.12 to 3.16).
+FLOAT8_CALL = "_float8_call"
 
 # The module that defines the trainer all Keras models share.
 TRAINER_MODULE = "keras.src.trainers.trainer"

@@ -261,6 +261,16 @@ def test_quantized_names_follow_keras_own_modes():
     assert type(policy) is not kdp.DTypePolicy
 
 
+def test_keras_float8_layers_keep_the_float8_path_the_package_reads():
+    """`float8.trains_in_float8` looks for this method: if a Keras release
+    renames it, no layer would train in float8 under a float8 policy."""
+    name = keras_internals.FLOAT8_CALL
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense):
+        assert name in vars(cls), f"{cls.__name__}.{name} moved"
+    assert name in vars(keras.layers.Layer)
+    assert "_float8_build" in vars(keras.layers.Dense)
+
+
 def test_quantization_modes_missing_everywhere_fail_loudly(monkeypatch):
     from keras.src.dtype_policies import dtype_policy
 
