@@ -159,6 +159,7 @@ def _loss_scale_settings(optimizer):
         for name in ("growth_factor", "backoff_factor", "min_scale"):
             settings[name] = float(getattr(optimizer, name))
         settings["max_scale"] = float(optimizer.max_scale)
+        settings["hysteresis"] = int(optimizer.hysteresis)
     return settings
 
 
@@ -168,6 +169,10 @@ def _loss_scale_state(optimizer):
         if optimizer.dynamic:
             state["dynamic_counter"] = optimizer.dynamic_counter
         state["skipped_steps"] = optimizer.skipped_steps
+        if optimizer.dynamic and optimizer.hysteresis > 1:
+            state["nonfinite_steps_in_a_row"] = (
+                optimizer.nonfinite_steps_in_a_row
+            )
         return state
     if not optimizer.built:
         return {"loss_scale": float(optimizer.initial_scale)}

@@ -305,3 +305,21 @@ def test_compile_hook_keeps_the_policys_hysteresis():
     model.compile(keras.optimizers.SGD(), "mse")
     assert isinstance(model.optimizer, LossScaleOptimizer)
     assert model.optimizer.hysteresis == 3
+
+
+def test_inspect_shows_the_hysteresis_and_the_streak(tmp_path):
+    from keras_dtype_policy.tools import model_report
+
+    model = _model(hysteresis=3)
+    x = np.ones((4, 3), "float32")
+    y = np.zeros((4, 2), "float32")
+    model.train_on_batch(np.full_like(x, np.inf), y)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    report = model_report.build_report(str(path))
+    scaling = report["optimizer"]["loss_scaling"]
+    assert scaling["settings"]["hysteresis"] == 3
+    assert scaling["state"]["nonfinite_steps_in_a_row"] == 1
+    text = "\n".join(model_report.format_report(report))
+    assert "hysteresis" in text
+    assert "nonfinite_steps_in_a_row" in text
