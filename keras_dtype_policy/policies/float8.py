@@ -183,15 +183,15 @@ def _defining_class(cls, attribute):
 def trains_in_float8(layer):
     """Returns True if `layer` computes in float8 under a float8 policy.
 
-    A layer does when its class has a float8 path of its own
-    (`_float8_call`, as `Dense` and `EinsumDense` have; `keras.Layer`'s
-    only raises) and no subclass below that class replaces `call` or
-    `build`, which the float8 path would skip.
+    A layer does when its class has a float8 path of its own (`Dense` and
+    `EinsumDense` have; `keras_internals.float8_path_owner` says where each
+    Keras release keeps it) and no subclass below that class replaces
+    `call` or `build`, which the float8 path would skip.
     """
-    cls = type(layer)
-    owner = _defining_class(cls, keras_internals.FLOAT8_CALL)
-    if owner is None or owner in keras.layers.Layer.__mro__:
+    owner = keras_internals.float8_path_owner(layer)
+    if owner is None:
         return False
+    cls = type(layer)
     for attribute in ("call", "build"):
         definer = _defining_class(cls, attribute)
         if definer is not None and not issubclass(owner, definer):

@@ -5,6 +5,7 @@ import contextlib
 import keras
 from keras.src import dtype_policies
 
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies.policy import DTypePolicy
@@ -69,12 +70,32 @@ def set_dtype_policy(policy):
     """
     policy = as_policy(policy)
     hardware.warn_if_float16_is_slow(policy)
-    keras.config.set_dtype_policy(policy)
+    keras.config.set_dtype_policy(_as_keras_global(policy))
+
+
+def _as_keras_global(policy):
+    """The policy Keras' global holds for `policy`.
+
+    A float8 policy is held as its `Float8SourcePolicy`: a float policy
+    (Keras 3.16 refuses a quantized global) from which every new layer
+    that can train in float8 takes the float8 policy.
+    """
+    if float8.is_float8_policy(policy):
+        return float8.source_for(policy)
+    return policy
 
 
 def dtype_policy():
-    """Returns the current global dtype policy of this thread."""
-    return keras.config.dtype_policy()
+    """Returns the current global dtype policy of this thread.
+
+    Under a float8 global policy this is the float8 policy that was set
+    (`keras.config.dtype_policy()` returns its source, which Keras' global
+    holds).
+    """
+    policy = keras.config.dtype_policy()
+    if isinstance(policy, float8.Float8SourcePolicy):
+        return policy.float8_policy
+    return policy
 
 
 @contextlib.contextmanager
@@ -100,7 +121,7 @@ def policy_scope(policy):
     new_policy = as_policy(policy)
     hardware.warn_if_float16_is_slow(new_policy, stacklevel=4)
     previous_policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(new_policy)
+    keras.config.set_dtype_policy(_as_keras_global(new_policy))
     try:
         yield new_policy
     finally:

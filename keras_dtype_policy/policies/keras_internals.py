@@ -12,9 +12,9 @@ where, when no known place has it:
 - the quantization modes (the `QUANTIZATION_MODES` tuple up to Keras 3.15,
   a registry of quantization strategies from 3.16).
 
-It also names the internals that have not moved yet but that the package
-reads: `FLOAT8_CALL`, the method of a layer's float8 path (`Dense` and
-`EinsumDense` define it; `keras.Layer`'s only raises).
+- where a layer class gets its float8 path (`float8_path_owner`: a
+  `_float8_call` method up to Keras 3.15, a quantization geometry that the
+  float8 strategy handles from 3.16).
 """
 
 import importlib
@@ -32,8 +32,10 @@ _FIRST_UNTESTED = (3, 17)
 # The distributions that install the `keras` module.
 _KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
 
-# The method a layer with a float8 path defines (Keras 3.12 to 3.16).
+# The method a layer with a float8 path defines (Keras 3.12 to 3.15), and
+# the method that gives a layer its quantization geometry (Keras 3.16).
 FLOAT8_CALL = "_float8_call"
+QUANTIZATION_GEOMETRY = "_quantization_geometry"
 
 # The module that defines the trainer all Keras models share.
 TRAINER_MODULE = "keras.src.trainers.trainer"
@@ -103,6 +105,51 @@ def quantization_modes():
         "keras_dtype_policy cannot find Keras' quantization modes: neither "
         "keras.src.dtype_policies.dtype_policy.QUANTIZATION_MODES nor "
         "keras.src.quantizers.strategy_registry.registered_modes exists "
+        f"(keras {keras.__version__}). Please report this."
+    )
+
+
+def _defining_class(cls, attribute):
+    for klass in cls.__mro__:
+        if attribute in vars(klass):
+            return klass
+    return None
+
+
+def float8_path_owner(layer):
+    """Returns the class that gives `layer` its float8 path, or None.
+
+    Keras 3.12 to 3.15: the class that defines `_float8_call` (`Dense`,
+    `EinsumDense`). Keras 3.16: the class that defines
+    `_quantization_geometry`, where the float8 strategy handles the
+    geometry's family (projections: `Dense`, `EinsumDense`). `keras.Layer`
+    defines both, to refuse: it is never the owner.
+
+    Raises:
+        KerasInternalsError: if the installed Keras has neither.
+    """
+    cls = type(layer)
+    base = keras.layers.Layer
+    if FLOAT8_CALL in vars(base):
+        owner = _defining_class(cls, FLOAT8_CALL)
+        return None if owner in base.__mro__ else owner
+    if QUANTIZATION_GEOMETRY in vars(base):
+        owner = _defining_class(cls, QUANTIZATION_GEOMETRY)
+        if owner in base.__mro__:
+            return None
+        registry = importlib.import_module(
+            "keras.src.quantizers.strategy_registry"
+        )
+        strategy = registry.get_strategy("float8")
+        geometry = getattr(layer, QUANTIZATION_GEOMETRY)()
+        families = getattr(strategy, "geometry_families", ())
+        if geometry is None or geometry.family not in families:
+            return None
+        return owner
+    raise KerasInternalsError(
+        "keras_dtype_policy cannot find how Keras gives a layer its float8 "
+        f"path: keras.layers.Layer defines neither {FLOAT8_CALL} (Keras "
+        f"3.12 to 3.15) nor {QUANTIZATION_GEOMETRY} (Keras 3.16) "
         f"(keras {keras.__version__}). Please report this."
     )
 

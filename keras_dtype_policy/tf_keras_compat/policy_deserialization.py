@@ -39,7 +39,7 @@ def make_from_config(original_from_config):
         if isinstance(policy, float8.Float8SourcePolicy):
             # The layers its constructor makes in code took the float8
             # policy from the global one when it was saved: so again.
-            with _global_policy(policy.float8_policy):
+            with _global_policy(policy):
                 return original(cls, config)
         return original(cls, config)
 

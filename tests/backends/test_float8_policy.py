@@ -119,11 +119,21 @@ def test_global_float8_policy_reaches_only_float8_layers(name):
     assert keras.backend.standardize_dtype(outputs.dtype) == compute_dtype
 
 
+def keras_release():
+    return tuple(int(part) for part in keras.__version__.split(".")[:2])
+
+
 def test_keras_alone_fails_where_the_package_does_not():
-    """keras #23479, with the patches undone: the model itself takes the
-    float8 policy and has no float8 path."""
+    """keras #23479, with the patches undone. Keras 3.12 to 3.15 accept a
+    float8 global policy and the model, which takes it too, fails on its
+    first call (it has no float8 path); Keras 3.16 refuses the global
+    policy. The package holds it as its source policy on every release."""
     kdp.uninstall()
     try:
+        if keras_release() >= (3, 16):
+            with pytest.raises(ValueError, match="cannot be quantized"):
+                keras.config.set_dtype_policy("float8_from_mixed_bfloat16")
+            return
         keras.config.set_dtype_policy("float8_from_mixed_bfloat16")
         model = nested_model()
         assert model.dtype_policy.name == "float8_from_mixed_bfloat16"
@@ -132,6 +142,17 @@ def test_keras_alone_fails_where_the_package_does_not():
     finally:
         keras.config.set_dtype_policy("float32")
         kdp.install()
+
+
+def test_keras_global_holds_the_source_of_a_float8_policy():
+    kdp.set_dtype_policy("float8_from_mixed_float16")
+    held = keras.config.dtype_policy()
+    assert isinstance(held, float8.Float8SourcePolicy)
+    assert held.name == "mixed_float16"
+    assert kdp.dtype_policy().name == "float8_from_mixed_float16"
+    # Keras' own float8 policy without a source takes the global's.
+    quantized = keras.dtype_policies.QuantizedFloat8DTypePolicy("float8")
+    assert quantized.name == "float8_from_mixed_float16"
 
 
 def test_explicit_float8_dtype_on_other_layers_gives_the_source():

@@ -262,13 +262,40 @@ def test_quantized_names_follow_keras_own_modes():
 
 
 def test_keras_float8_layers_keep_the_float8_path_the_package_reads():
-    """`float8.trains_in_float8` looks for this method: if a Keras release
-    renames it, no layer would train in float8 under a float8 policy."""
-    name = keras_internals.FLOAT8_CALL
-    for cls in (keras.layers.Dense, keras.layers.EinsumDense):
-        assert name in vars(cls), f"{cls.__name__}.{name} moved"
-    assert name in vars(keras.layers.Layer)
-    assert "_float8_build" in vars(keras.layers.Dense)
+    """`float8.trains_in_float8` asks `keras_internals.float8_path_owner`:
+    if a Keras release moves the float8 path again, no layer would train in
+    float8 under a float8 policy."""
+    dense = keras.layers.Dense(2)
+    einsum = keras.layers.EinsumDense("ab,bc->ac", 2)
+    assert keras_internals.float8_path_owner(dense) is keras.layers.Dense
+    assert keras_internals.float8_path_owner(einsum) is keras.layers.EinsumDense
+    for layer in (
+        keras.layers.Layer(),
+        keras.layers.LayerNormalization(),
+        keras.layers.Embedding(4, 2),
+    ):
+        assert keras_internals.float8_path_owner(layer) is None, layer
+    base = vars(keras.layers.Layer)
+    if keras_release() >= (3, 16):
+        assert keras_internals.QUANTIZATION_GEOMETRY in base
+    else:
+        assert keras_internals.FLOAT8_CALL in base
+
+
+def test_a_moved_float8_path_fails_loudly(monkeypatch):
+    for name in (
+        keras_internals.FLOAT8_CALL,
+        keras_internals.QUANTIZATION_GEOMETRY,
+    ):
+        monkeypatch.delattr(keras.layers.Layer, name, raising=False)
+    with pytest.raises(keras_internals.KerasInternalsError) as raised:
+        keras_internals.float8_path_owner(keras.layers.Dense(2))
+    assert "_float8_call" in str(raised.value)
+    assert "_quantization_geometry" in str(raised.value)
+
+
+def keras_release():
+    return tuple(int(part) for part in keras.__version__.split(".")[:2])
 
 
 def test_quantization_modes_missing_everywhere_fail_loudly(monkeypatch):
