@@ -173,13 +173,6 @@ def source_for(policy):
     return Float8SourcePolicy(policy.name, policy.amax_history_length)
 
 
-def _defining_class(cls, attribute):
-    for klass in cls.__mro__:
-        if attribute in vars(klass):
-            return klass
-    return None
-
-
 def trains_in_float8(layer):
     """Returns True if `layer` computes in float8 under a float8 policy.
 
@@ -193,7 +186,7 @@ def trains_in_float8(layer):
         return False
     cls = type(layer)
     for attribute in ("call", "build"):
-        definer = _defining_class(cls, attribute)
+        definer = keras_internals.defining_class(cls, attribute)
         if definer is not None and not issubclass(owner, definer):
             return False
     return True

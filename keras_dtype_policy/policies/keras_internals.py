@@ -109,7 +109,9 @@ def quantization_modes():
     )
 
 
-def _defining_class(cls, attribute):
+def defining_class(cls, attribute):
+    """Returns the class in `cls`'s method resolution order that defines
+    `attribute` itself, or None."""
     for klass in cls.__mro__:
         if attribute in vars(klass):
             return klass
@@ -131,10 +133,10 @@ def float8_path_owner(layer):
     cls = type(layer)
     base = keras.layers.Layer
     if FLOAT8_CALL in vars(base):
-        owner = _defining_class(cls, FLOAT8_CALL)
+        owner = defining_class(cls, FLOAT8_CALL)
         return None if owner in base.__mro__ else owner
     if QUANTIZATION_GEOMETRY in vars(base):
-        owner = _defining_class(cls, QUANTIZATION_GEOMETRY)
+        owner = defining_class(cls, QUANTIZATION_GEOMETRY)
         if owner in base.__mro__:
             return None
         registry = importlib.import_module(

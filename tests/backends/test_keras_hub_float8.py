@@ -21,57 +21,12 @@ from keras_dtype_policy.policies import introspection
 keras_hub = pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (the `hub` extra)"
 )
+from hub_models import bert_classifier  # noqa: E402
+from hub_models import causal_lm_data  # noqa: E402
+from hub_models import classifier_data  # noqa: E402
+from hub_models import gpt2_causal_lm  # noqa: E402
 
 FLOAT8 = "float8_from_mixed_bfloat16"
-VOCABULARY, LENGTH = 50, 8
-
-
-def gpt2_causal_lm():
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-
-
-def bert_classifier():
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-    )
-    return keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=2, preprocessor=None
-    )
-
-
-def causal_lm_data():
-    rng = np.random.default_rng(0)
-    token_ids = rng.integers(1, VOCABULARY, size=(8, LENGTH + 1))
-    x = {
-        "token_ids": token_ids[:, :-1].astype("int32"),
-        "padding_mask": np.ones((8, LENGTH), "bool"),
-    }
-    return x, token_ids[:, 1:].astype("int32")
-
-
-def classifier_data():
-    rng = np.random.default_rng(0)
-    x = {
-        "token_ids": rng.integers(1, VOCABULARY, (8, LENGTH)).astype("int32"),
-        "segment_ids": np.zeros((8, LENGTH), "int32"),
-        "padding_mask": np.ones((8, LENGTH), "bool"),
-    }
-    return x, rng.integers(0, 2, (8,)).astype("int32")
 
 
 def float8_layers(model):

@@ -28,59 +28,12 @@ import pytest
 keras_hub = pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (the `hub` extra)"
 )
+from hub_models import bert_classifier  # noqa: E402
+from hub_models import causal_lm_data  # noqa: E402
+from hub_models import classifier_data  # noqa: E402
+from hub_models import gpt2_causal_lm  # noqa: E402
 
 SKIPPING = "Skipping variable loading for optimizer"
-VOCABULARY, LENGTH = 50, 8
-
-
-def gpt2_causal_lm():
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-
-
-def bert_classifier():
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-    )
-    return keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=2, preprocessor=None
-    )
-
-
-def causal_lm_data():
-    rng = np.random.default_rng(0)
-    token_ids = rng.integers(1, VOCABULARY, size=(4, LENGTH + 1))
-    x = {
-        "token_ids": token_ids[:, :-1].astype("int32"),
-        "padding_mask": np.ones((4, LENGTH), "bool"),
-    }
-    return x, token_ids[:, 1:].astype("int32")
-
-
-def classifier_data():
-    rng = np.random.default_rng(0)
-    x = {
-        "token_ids": rng.integers(1, VOCABULARY, (4, LENGTH)).astype("int32"),
-        "segment_ids": np.zeros((4, LENGTH), "int32"),
-        "padding_mask": np.ones((4, LENGTH), "bool"),
-    }
-    return x, np.array([0, 1, 0, 1], "int32")
-
-
 TASKS = {
     "gpt2_causal_lm": (gpt2_causal_lm, causal_lm_data),
     "bert_classifier": (bert_classifier, classifier_data),
