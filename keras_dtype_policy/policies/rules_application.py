@@ -344,9 +344,10 @@ def _set_container_policies(model, choices):
             # A model cannot train in float8: float8 leaves count as their
             # source policy.
             policy = float8.policy_for_layer(leaf.dtype_policy, container)
-            key = (type(policy).__name__, policy.name)
-            counts.setdefault(key, [0, policy])
-            counts[key][0] += 1
+            count = counts.setdefault(policy.name, [0, policy])
+            count[0] += 1
+            if isinstance(policy, float8.Float8SourcePolicy):
+                count[1] = policy  # the source that remembers float8
         _, (_, policy) = max(counts.items(), key=lambda item: item[1][0])
         container._dtype_policy = policy
 

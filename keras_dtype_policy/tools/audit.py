@@ -21,6 +21,7 @@ import os
 import keras
 import numpy as np
 
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import introspection
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
@@ -334,6 +335,7 @@ def audit(
     if policy is None and rules is None:
         policy = "mixed_float16"
     candidate_rules = load_override.override_rules(policy, rules)
+    _refuse_float8(candidate_rules, policy, rules)
     if isinstance(model, (str, os.PathLike)):
         model, _ = model_files.load_model(model_files.read_model_file(model))
     _check_model(model)
@@ -736,3 +738,18 @@ def _json_number(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _refuse_float8(candidate_rules, policy, rules):
+    """The audit compares float policies layer by layer; a float8 layer's
+    outputs depend on its scaling history, which one batch does not have."""
+    policies = [candidate_rules.default] + [r.policy for r in candidate_rules]
+    if any(float8.is_float8_policy(p) or p.name == "float8" for p in policies):
+        argument = "policy" if rules is None else "rules"
+        value = policy if rules is None else rules
+        raise ValueError(
+            "The audit compares floating-point policies; it does not audit "
+            "float8 (a float8 layer's scales come from the batches it has "
+            "seen). Audit the float8 policy's source, such as "
+            f"'mixed_bfloat16'. Received: {argument}={value!r}"
+        )

@@ -428,3 +428,33 @@ def test_saving_leaves_the_global_float8_policy_alone(tmp_path):
     model.save(os.path.join(tmp_path, "model.keras"))
     assert kdp.dtype_policy().name == "float8_from_mixed_bfloat16"
     assert model.get_layer("hidden").dtype_policy is not kdp.dtype_policy()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"policy": "float8_from_mixed_bfloat16"},
+        {
+            "rules": kdp.PrecisionRules("mixed_bfloat16").extend(
+                kdp.PrecisionRule("float8", layers="Dense")
+            )
+        },
+    ],
+)
+def test_the_audit_refuses_float8_naming_the_argument(kwargs):
+    model = nested_model()
+    argument = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"does not audit float8.*{argument}="):
+        kdp.audit(model, x=X[:8], **kwargs)
+
+
+def test_find_nonfinite_walks_a_float8_model():
+    kdp.set_dtype_policy("float8_from_mixed_bfloat16")
+    model = nested_model()
+    report = kdp.find_nonfinite(model, X[:8])
+    assert report.all_finite
+    # The float8 layers around it run as they do in training.
+    model.get_layer("norm").gamma.assign(np.full((8,), np.nan, "float32"))
+    report = kdp.find_nonfinite(model, X[:8])
+    assert not report.all_finite
+    assert report.layer.path.endswith("norm")
