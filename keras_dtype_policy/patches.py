@@ -79,7 +79,8 @@ PATCHES = (
         Operation,
         "from_config",
         policy_deserialization.make_from_config,
-        "Keep this package's policy classes when layers are deserialized.",
+        "Keep this package's policy classes when layers are deserialized "
+        "(and a float8 model's sublayers made in code in float8).",
     ),
     Patch(
         dtype_policies,
@@ -127,7 +128,8 @@ PATCHES = (
         Layer,
         "__init__",
         rules_application.make_layer_init,
-        "Let a precision_scope choose the policy of each new layer.",
+        "Let a precision_scope choose the policy of each new layer, and "
+        "give a float8 policy only to layers that can train in float8.",
     ),
     Patch(
         legacy_h5_format,
