@@ -57,8 +57,18 @@ def is_float8_name(name):
 
 
 def source_name(policy):
-    """Returns the name of the float policy a float8 policy quantizes from."""
-    return policy.name.split(_SEPARATOR, 1)[1]
+    """Returns the name of the float policy a float8 policy quantizes from.
+
+    Keras clears the names of the policies a `DTypePolicyMap` serializes
+    (keras-hub saves its float8 layers' so): the source is then read from
+    the dtypes, which stay.
+    """
+    if policy.name:
+        return policy.name.split(_SEPARATOR, 1)[1]
+    compute, variable = policy.compute_dtype, policy.variable_dtype
+    if compute == variable:
+        return compute
+    return f"mixed_{compute}"
 
 
 def quantized_policy(source, argument_name="policy", amax_history_length=None):
@@ -170,7 +180,8 @@ class Float8SourcePolicy(DTypePolicy):
 
 def source_for(policy):
     """Returns the `Float8SourcePolicy` of a float8 policy."""
-    return Float8SourcePolicy(policy.name, policy.amax_history_length)
+    name = FLOAT8_MODE + _SEPARATOR + source_name(policy)
+    return Float8SourcePolicy(name, policy.amax_history_length)
 
 
 def trains_in_float8(layer):

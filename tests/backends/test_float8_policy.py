@@ -458,3 +458,17 @@ def test_find_nonfinite_walks_a_float8_model():
     report = kdp.find_nonfinite(model, X[:8])
     assert not report.all_finite
     assert report.layer.path.endswith("norm")
+
+
+def test_a_float8_policy_whose_name_keras_cleared_keeps_its_source():
+    """Keras clears the names of the policies a DTypePolicyMap serializes
+    (keras-hub saves its float8 layers so); their dtypes tell the source."""
+    for name, (source, _) in SOURCES.items():
+        policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
+            "float8", name.split("_from_")[1]
+        )
+        policy._name = None
+        assert float8.source_name(policy) == source
+        assert float8.policy_for_layer(policy, keras.layers.Softmax()) == (
+            kdp.DTypePolicy(source)
+        )
