@@ -10,8 +10,7 @@ where, when no known place has it:
 - the trainer class that defines `Model.compile` (`Trainer` up to Keras
   3.15, `BaseTrainer` from 3.16);
 - the quantization modes (the `QUANTIZATION_MODES` tuple up to Keras 3.15,
-  a registry of quantization strategies from 3.16).
-
+  a registry of quantization strategies from 3.16);
 - where a layer class gets its float8 path (`float8_path_owner`: a
   `_float8_call` method up to Keras 3.15, a quantization geometry that the
   float8 strategy handles from 3.16).
@@ -124,8 +123,8 @@ def float8_path_owner(layer):
     Keras 3.12 to 3.15: the class that defines `_float8_call` (`Dense`,
     `EinsumDense`). Keras 3.16: the class that defines
     `_quantization_geometry`, where the float8 strategy handles the
-    geometry's family (projections: `Dense`, `EinsumDense`). `keras.Layer`
-    defines both, to refuse: it is never the owner.
+    geometry's family (projections: `Dense`, `EinsumDense`). `keras.Layer`'s
+    own definition only refuses: it is never the owner.
 
     Raises:
         KerasInternalsError: if the installed Keras has neither.
