@@ -36,7 +36,7 @@ from keras_dtype_policy.tools import cli
 from keras_dtype_policy.tools import model_report
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "savedmodel"

@@ -33,7 +33,7 @@ from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 from keras_dtype_policy.tools import cli
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "savedmodel_applications"
