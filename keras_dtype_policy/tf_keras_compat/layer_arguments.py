@@ -3,8 +3,8 @@
 The table is derived, not collected: tests/fixtures/tf_keras2/
 layer_arguments.py asks each Keras 3 layer class which keys of the configs
 tf-keras 2.21 wrote (one model per layer class both libraries have) it
-refuses, and tests/backends/test_tf_keras_every_layer.py checks that every
-key it finds is here. A key is dropped only with a value that changes
+refuses, and tests/backends/tf_keras_compat/test_tf_keras_every_layer.py checks
+that every key it finds is here. A key is dropped only with a value that changes
 nothing; any other value cannot be loaded faithfully, and says so.
 """
 

@@ -3,7 +3,10 @@
 import contextlib
 import io
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import zipfile
 
 import keras
@@ -186,6 +189,21 @@ def reference_trajectory(
 
 
 CLI_ERROR = "keras-dtype-policy: error: "
+
+
+def run_cli(*args, cwd=None, env=None, timeout=240):
+    """Runs the command line in a subprocess; returns the completed run."""
+    environment = dict(os.environ, KERAS_BACKEND=BACKEND)
+    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dtype_policy", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=environment,
+        timeout=timeout,
+    )
 
 
 def cli_error_line(result, status=1):

@@ -26,7 +26,7 @@ from testing import train_on_fixture_data
 from keras_dtype_policy import LossScaleOptimizer
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "optimizers"

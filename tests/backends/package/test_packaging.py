@@ -15,7 +15,7 @@ from keras_dtype_policy.policies import keras_internals
 
 DISTRIBUTION = importlib.metadata.distribution("keras_dtype_policy")
 METADATA = DISTRIBUTION.metadata
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_the_version_is_the_package_version():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "layers"

@@ -30,8 +30,12 @@ from testing import readme_example
 
 # Marker kinds whose blocks another test runs, and that test's file.
 OWNERS = {
-    "custom-loop": lambda tag: "tests/backends/test_readme_custom_loops.py",
-    "distributed": lambda tag: f"tests/backends/test_distribution_{tag}.py",
+    "custom-loop": lambda tag: (
+        "tests/backends/package/test_readme_custom_loops.py"
+    ),
+    "distributed": lambda tag: (
+        f"tests/backends/loss_scaling/test_distribution_{tag}.py"
+    ),
 }
 KNOWN_MARKERS = {"backend", "processes", *OWNERS}
 BACKENDS = {"tensorflow", "jax", "torch"}

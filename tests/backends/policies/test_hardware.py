@@ -8,28 +8,16 @@ import warnings
 
 import keras
 import pytest
+from made_up_devices import CPU_BF16
+from made_up_devices import CPU_PLAIN
+from made_up_devices import CPU_UNKNOWN
+from made_up_devices import nvidia
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.hardware import Device
 
 BACKEND = keras.backend.backend()
-
-CPU_BF16 = Device(
-    "cpu:0", "cpu", "Xeon", cpu_flags=frozenset({"avx512_bf16", "amx_bf16"})
-)
-CPU_PLAIN = Device("cpu:0", "cpu", "Old CPU", cpu_flags=frozenset({"f16c"}))
-CPU_UNKNOWN = Device("cpu:0", "cpu", "Some CPU", cpu_flags=None)
-
-
-def nvidia(major, minor, index=0):
-    return Device(
-        f"cuda:{index}",
-        "gpu",
-        f"NVIDIA GPU {major}.{minor}",
-        vendor="nvidia",
-        compute_capability=(major, minor),
-    )
 
 
 @pytest.fixture(autouse=True)

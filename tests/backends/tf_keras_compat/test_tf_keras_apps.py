@@ -25,7 +25,7 @@ from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
 from keras_dtype_policy.tools import model_report
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "applications"

@@ -25,7 +25,7 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures"
 KERAS_LSO = FIXTURES / "keras_lso"
 READER = pathlib.Path(__file__).with_name("keras_alone_reader.py")
 

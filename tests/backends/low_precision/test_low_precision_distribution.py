@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 WORKER = pathlib.Path(__file__).with_name(
     "low_precision_distribution_worker.py"
 )
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ iteration count, every slot, the loss scale and its counter). Where it is
 not, loading says in one line that TensorFlow is needed.
 """
 
-import importlib.util
 import json
 import pathlib
 import tarfile
@@ -25,6 +24,10 @@ import tarfile
 import keras
 import numpy as np
 import pytest
+from saved_model_checks import assert_optimizer_state
+from saved_model_checks import loaded_policies
+from saved_model_checks import needs_tensorflow
+from saved_model_checks import without_tensorflow
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -33,7 +36,7 @@ from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 from keras_dtype_policy.tools import cli
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "savedmodel_applications"
@@ -42,13 +45,6 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["models"]
 EXPECTED = np.load(FIXTURES / "expected.npz")
 MODELS = sorted(MANIFEST)
 EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
-needs_tensorflow = pytest.mark.skipif(
-    not HAS_TENSORFLOW, reason="reading a checkpoint needs TensorFlow"
-)
-without_tensorflow = pytest.mark.skipif(
-    HAS_TENSORFLOW, reason="TensorFlow is installed here"
-)
 # The issue's own case (a fine-tuned MobileNetV2 nested in a mixed_float16
 # model with a dynamic LossScaleOptimizer) runs every time. The others are
 # marked slow: each of these models takes from 10 s (TensorFlow) to a
@@ -122,23 +118,6 @@ def test_without_tensorflow_loading_says_so(extracted):
         kdp.load_model(directory)
 
 
-def loaded_policies(model):
-    policies = {}
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            # tf.keras saved no policy for a nested model: its layers'
-            # policies are compared.
-            for inner in layer.layers:
-                if not isinstance(inner, keras.layers.InputLayer):
-                    policies[f"{layer.name}/{inner.name}"] = (
-                        inner.dtype_policy.name
-                    )
-        elif not isinstance(layer, keras.layers.InputLayer):
-            # An InputLayer has its tensor's dtype, not a policy.
-            policies[layer.name] = layer.dtype_policy.name
-    return policies
-
-
 def saved_policies(model, name):
     """The saved policies, under the names Keras 3 gives the layers.
 
@@ -165,34 +144,6 @@ def saved_policies(model, name):
     return expected
 
 
-def assert_optimizer_state(optimizer, name):
-    record = MANIFEST[name]["optimizer"]
-    inner = optimizer
-    if "loss_scale" in record:
-        assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        inner = optimizer.inner_optimizer
-        assert optimizer.dynamic == record["dynamic"]
-        scale = float(to_numpy(optimizer.dynamic_scale))
-        assert scale == float(EXPECTED[f"{name}.loss_scale"])
-        if record["dynamic"]:
-            counter = int(to_numpy(optimizer.step_counter))
-            assert counter == int(EXPECTED[f"{name}.dynamic_counter"])
-    else:
-        assert not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    assert type(inner).__name__ == record["inner_class"]
-    assert int(to_numpy(inner.iterations)) == record["iterations"]
-    slots = [
-        v
-        for v in inner.variables
-        if v is not inner.iterations and v is not inner._learning_rate
-    ]
-    assert len(slots) == len(record["slots"]) > 0
-    for i, slot in enumerate(slots):
-        np.testing.assert_array_equal(
-            to_numpy(slot), EXPECTED[f"{name}.slot.{i}"], err_msg=slot.path
-        )
-
-
 @needs_tensorflow
 @pytest.mark.parametrize("name", CASES)
 def test_loads_with_predictions_policies_and_optimizer(name, extracted):
@@ -217,7 +168,9 @@ def test_loads_with_predictions_policies_and_optimizer(name, extracted):
         predictions, EXPECTED[f"{name}.y"], rtol=0, atol=tolerance
     )
     if "optimizer" in record:
-        assert_optimizer_state(model.optimizer, name)
+        assert_optimizer_state(
+            model.optimizer, record["optimizer"], EXPECTED, name
+        )
     else:
         assert getattr(model, "optimizer", None) is None
 
@@ -247,7 +200,9 @@ def test_migrate_and_inspect_commands(extracted, tmp_path, capsys):
     np.testing.assert_allclose(
         predictions, EXPECTED[f"{ISSUE_CASE}.y"], rtol=0, atol=8 * 2.0**-10
     )
-    assert_optimizer_state(model.optimizer, ISSUE_CASE)
+    assert_optimizer_state(
+        model.optimizer, MANIFEST[ISSUE_CASE]["optimizer"], EXPECTED, ISSUE_CASE
+    )
 
     assert cli.main(["inspect", str(directory), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

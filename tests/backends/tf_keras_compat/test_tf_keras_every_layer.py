@@ -31,7 +31,7 @@ from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import layer_arguments
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+    pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "tf_keras2"
 )
 EVERY_LAYER = FIXTURES / "every_layer"
 MANIFEST = json.loads((EVERY_LAYER / "manifest.json").read_text())

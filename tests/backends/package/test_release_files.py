@@ -17,7 +17,7 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures"
 RELEASE_0_1_0 = FIXTURES / "release_0_1_0"
 EXPECTED = np.load(RELEASE_0_1_0 / "mixed_model.expected.npz")
 

@@ -17,7 +17,6 @@ counter included; where it is not (tox's jax and torch environments), the
 same commands say in one line that TensorFlow is needed.
 """
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -26,6 +25,11 @@ import sys
 import keras
 import numpy as np
 import pytest
+from saved_model_checks import HAS_TENSORFLOW
+from saved_model_checks import assert_optimizer_state
+from saved_model_checks import loaded_policies
+from saved_model_checks import needs_tensorflow
+from saved_model_checks import without_tensorflow
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -36,7 +40,7 @@ from keras_dtype_policy.tools import cli
 from keras_dtype_policy.tools import model_report
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "savedmodel"
@@ -46,14 +50,7 @@ EXPECTED = np.load(FIXTURES / "expected.npz")
 MODELS = sorted(name for name in MANIFEST if name != "not_keras")
 COMPILED = [name for name in MODELS if "optimizer" in MANIFEST[name]]
 EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 BACKEND = keras.backend.backend()
-needs_tensorflow = pytest.mark.skipif(
-    not HAS_TENSORFLOW, reason="reading a checkpoint needs TensorFlow"
-)
-without_tensorflow = pytest.mark.skipif(
-    HAS_TENSORFLOW, reason="TensorFlow is installed here"
-)
 ERROR = "keras-dtype-policy: error: "
 
 
@@ -96,50 +93,11 @@ def assert_converted(model, name):
         if path.rsplit("/", 1)[-1] != "image" and path != "base"
     }
     if name in COMPILED:
-        assert_optimizer_state(model.optimizer, name)
+        assert_optimizer_state(
+            model.optimizer, record["optimizer"], EXPECTED, name
+        )
     else:
         assert getattr(model, "optimizer", None) is None
-
-
-def loaded_policies(model):
-    policies = {}
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            for inner in layer.layers:
-                if not isinstance(inner, keras.layers.InputLayer):
-                    key = f"{layer.name}/{inner.name}"
-                    policies[key] = inner.dtype_policy.name
-        elif not isinstance(layer, keras.layers.InputLayer):
-            policies[layer.name] = layer.dtype_policy.name
-    return policies
-
-
-def assert_optimizer_state(optimizer, name):
-    record = MANIFEST[name]["optimizer"]
-    inner = optimizer
-    if "loss_scale" in record:
-        assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        inner = optimizer.inner_optimizer
-        scale = float(to_numpy(optimizer.dynamic_scale))
-        assert scale == float(EXPECTED[f"{name}.loss_scale"])
-        assert optimizer.dynamic == record["dynamic"]
-        if record["dynamic"]:
-            counter = int(to_numpy(optimizer.step_counter))
-            assert counter == int(EXPECTED[f"{name}.dynamic_counter"])
-    assert type(inner).__name__ == record["inner_class"]
-    assert int(to_numpy(inner.iterations)) == int(
-        EXPECTED[f"{name}.iterations"]
-    )
-    slots = [
-        v
-        for v in inner.variables
-        if v is not inner.iterations and v is not inner._learning_rate
-    ]
-    assert len(slots) == len(record["slots"])
-    for i, slot in enumerate(slots):
-        np.testing.assert_array_equal(
-            to_numpy(slot), EXPECTED[f"{name}.slot.{i}"], err_msg=slot.path
-        )
 
 
 @needs_tensorflow

@@ -14,7 +14,7 @@ from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import doctor
 
 BACKEND = keras.backend.backend()
-PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = pathlib.Path(__file__).resolve().parents[3] / "pyproject.toml"
 
 
 def test_the_dependency_bound_is_the_tested_range():

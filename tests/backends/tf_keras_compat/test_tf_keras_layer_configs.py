@@ -18,7 +18,7 @@ from testing import to_numpy
 from keras_dtype_policy import DTypePolicy
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1]
+    pathlib.Path(__file__).resolve().parents[2]
     / "fixtures"
     / "tf_keras2"
     / "layers"

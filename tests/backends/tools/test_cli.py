@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from testing import CLI_ERROR
 from testing import cli_error_line
+from testing import run_cli
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
@@ -29,25 +30,10 @@ from keras_dtype_policy.tools import cli
 
 BACKEND = keras.backend.backend()
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+    pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "tf_keras2"
 )
 ERROR = CLI_ERROR
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def run_cli(*args, cwd=None, env=None, timeout=240):
-    """Runs the command line in a subprocess; returns the completed run."""
-    environment = dict(os.environ, KERAS_BACKEND=BACKEND)
-    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    environment.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "keras_dtype_policy", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=environment,
-        timeout=timeout,
-    )
 
 
 def assert_one_error_line(result, status, fragment):

@@ -14,7 +14,7 @@ from keras_dtype_policy.tf_keras_compat import migrate
 from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+    pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "tf_keras2"
 )
 INPUTS = np.load(FIXTURES / "inputs.npz")
 MODELS = ["dense_mixed_float16", "conv_mixed_bfloat16", "lstm_mixed_float16"]

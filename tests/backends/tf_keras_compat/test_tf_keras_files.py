@@ -24,7 +24,7 @@ from keras_dtype_policy import LossScaleOptimizer
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 FIXTURES = (
-    pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tf_keras2"
+    pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "tf_keras2"
 )
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 MODELS = MANIFEST["models"]

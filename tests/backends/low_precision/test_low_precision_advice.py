@@ -12,11 +12,11 @@ import json
 
 import keras
 import pytest
-from test_cli import run_cli
-from test_hardware import CPU_BF16
-from test_hardware import CPU_PLAIN
-from test_hardware import CPU_UNKNOWN
-from test_hardware import nvidia
+from made_up_devices import CPU_BF16
+from made_up_devices import CPU_PLAIN
+from made_up_devices import CPU_UNKNOWN
+from made_up_devices import nvidia
+from testing import run_cli
 
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.hardware import Device

@@ -1,8 +1,8 @@
 """The docs' custom training loop for this backend, run as written.
 
 The loops are in docs/loss-scaling.md, each after a
-`<!-- custom-loop: BACKEND -->` marker; tests/backends/test_docs.py leaves
-them to this file.
+`<!-- custom-loop: BACKEND -->` marker; tests/backends/package/test_docs.py
+leaves them to this file.
 
 Each backend has two loops: Keras 3's (`scale_loss`, `apply`) and tf.keras
 2's (`get_scaled_loss`, `get_unscaled_gradients`, `apply_gradients`, tagged
