@@ -21,8 +21,8 @@ from keras.src.saving import saving_lib
 
 from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
+from keras_dtype_policy.loss_scaling import keras_lso_from_config
 from keras_dtype_policy.loss_scaling import optimizer_state
-from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bfloat16_weights
@@ -121,7 +121,7 @@ PATCHES = (
     Patch(
         KerasLossScaleOptimizer,
         "from_config",
-        tf_keras_configs.make_keras_from_config,
+        keras_lso_from_config.make_keras_from_config,
         "Read tf.keras' LossScaleOptimizer configs in keras.optimizers.get.",
     ),
     Patch(

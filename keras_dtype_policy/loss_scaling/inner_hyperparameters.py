@@ -1,4 +1,4 @@
-"""Which attributes of a wrapped optimizer its wrapper passes through.
+"""Which attributes of a wrapped optimizer its wrapper passes through, and how.
 
 tf.keras 2's `LossScaleOptimizer` passed reads and writes of the inner
 optimizer's hyperparameters through (`opt.beta_1`, `opt.learning_rate`),
@@ -66,3 +66,99 @@ def _constructor_arguments(optimizer_class):
                 continue
             names.add(parameter.name)
     return frozenset(names - _NOT_HYPERPARAMETERS)
+
+
+class InnerSetting:
+    """A setting of Keras' base optimizer that a wrapper keeps on its inner
+    optimizer (`clipnorm`, `use_ema`, ...), so that reading or setting it
+    through the wrapper reaches the optimizer that applies the step."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.own_name = f"_own_{name}"
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        inner = wrapper._settings_owner()
+        if inner is None:
+            return wrapper.__dict__.get(self.own_name)
+        return getattr(inner, self.name)
+
+    def __set__(self, wrapper, value):
+        inner = wrapper._settings_owner()
+        if inner is None:
+            wrapper.__dict__[self.own_name] = value
+        else:
+            setattr(inner, self.name, value)
+
+
+class ForwardsHyperparameters:
+    """Passes a wrapper's hyperparameters through to `inner_optimizer`.
+
+    The wrapper is transparent to the inner optimizer's hyperparameters,
+    both ways, as tf.keras 2's was: `opt.beta_1 = 0.7` sets the inner
+    optimizer's `beta_1`, the value its next step uses. A mixin; the class
+    names the attributes it keeps for itself in `_wrapper_names`.
+    """
+
+    _wrapper_names = frozenset()
+
+    use_ema = InnerSetting()
+    ema_momentum = InnerSetting()
+    ema_overwrite_frequency = InnerSetting()
+    weight_decay = InnerSetting()
+    clipnorm = InnerSetting()
+    global_clipnorm = InnerSetting()
+    clipvalue = InnerSetting()
+
+    def _settings_owner(self):
+        """The inner optimizer, or None while the wrapper reads its own.
+
+        Keras' base class sets and reads these settings on the wrapper in
+        `__init__` (before there is an inner optimizer) and in `build`.
+        """
+        state = self.__dict__
+        if state.get("_reading_own_settings"):
+            return None
+        return state.get("inner_optimizer")
+
+    def _forwarded_to(self, name):
+        """Returns the inner optimizer if `name` is its hyperparameter and
+        not the wrapper's own attribute, else None."""
+        if name.startswith("_") or name in self._wrapper_names:
+            return None
+        inner = self._settings_owner()
+        if inner is None or name in self.__dict__:
+            return None
+        if any(name in klass.__dict__ for klass in type(self).__mro__):
+            return None
+        if not is_hyperparameter(inner, name):
+            return None
+        return inner
+
+    def __setattr__(self, name, value):
+        inner = self._forwarded_to(name)
+        if inner is not None:
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name):
+        # Only for names the wrapper itself lacks, such as `beta_1`.
+        inner = self._forwarded_to(name)
+        if inner is None:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' "
+                "(the wrapper passes through only the hyperparameters of "
+                "its inner optimizer; read other attributes on "
+                "`inner_optimizer`)"
+            )
+        return getattr(inner, name)
+
+    def __dir__(self):
+        names = set(super().__dir__())
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            names.update(hyperparameter_names(inner))
+        return sorted(names)

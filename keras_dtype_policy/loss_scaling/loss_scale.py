@@ -12,6 +12,7 @@ import numbers
 import numpy as np
 from keras import ops
 
+from keras_dtype_policy.loss_scaling import scale_rule
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
 
@@ -185,21 +186,26 @@ class DynamicLossScale(LossScale):
 
     def _step(self, finite):
         # TensorFlow's rule: grow after `increment_period` finite steps
-        # (unless that overflows float32, the scale's dtype), shrink (not
-        # below 1) after `hysteresis` bad steps in a row.
-        if not finite:
-            self._nonfinite_in_a_row += 1
-            if self._nonfinite_in_a_row >= self.hysteresis:
-                self._current = max(self._current / self.multiplier, 1.0)
-            self._counter = 0
-            return
-        self._nonfinite_in_a_row = 0
-        self._counter += 1
-        if self._counter >= self.increment_period:
-            grown = self._current * self.multiplier
-            if grown <= _FLOAT32_MAX:
-                self._current = grown
-            self._counter = 0
+        # (not above float32's largest value, the scale's dtype), shrink
+        # (not below 1) after `hysteresis` bad steps in a row.
+        scale, counter, streak = scale_rule.next_scale_state(
+            self._current,
+            self._counter,
+            self._nonfinite_in_a_row,
+            finite,
+            growth_steps=self.increment_period,
+            hysteresis=self.hysteresis,
+            growth_factor=self.multiplier,
+            backoff_factor=1.0 / self.multiplier,
+            min_scale=1.0,
+            max_scale=_FLOAT32_MAX,
+        )
+        scale = float(ops.convert_to_numpy(scale))
+        # A scale that did not change keeps its Python value.
+        if scale != float(np.float32(self._current)):
+            self._current = scale
+        self._counter = int(ops.convert_to_numpy(counter))
+        self._nonfinite_in_a_row = int(ops.convert_to_numpy(streak))
 
     def get_config(self):
         config = {

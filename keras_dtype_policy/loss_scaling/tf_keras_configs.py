@@ -77,27 +77,3 @@ def is_tf_keras_config(config):
     return is_tf_2_3_config(config) or (
         isinstance(config, dict) and "dynamic" in config
     )
-
-
-def make_keras_from_config(original):
-    """Returns Keras' `LossScaleOptimizer.from_config`, reading tf.keras'.
-
-    `keras.optimizers.deserialize` finds Keras' own class for the name
-    "LossScaleOptimizer", which tf.keras wrote too. A config in one of
-    tf.keras' layouts (which may hold a fixed scale, which Keras' class
-    cannot) builds this package's `LossScaleOptimizer` instead; Keras' own
-    configs go to Keras as before.
-    """
-    keras_from_config = original.__func__
-
-    def from_config(cls, config, custom_objects=None):
-        if is_tf_keras_config(config):
-            from keras_dtype_policy.loss_scaling.optimizer import (
-                LossScaleOptimizer,
-            )
-
-            if issubclass(LossScaleOptimizer, cls):
-                return LossScaleOptimizer.from_config(config, custom_objects)
-        return keras_from_config(cls, config, custom_objects)
-
-    return classmethod(from_config)

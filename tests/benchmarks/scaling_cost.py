@@ -51,7 +51,7 @@ class NeverSkippingLossScaleOptimizer(kdp.LossScaleOptimizer):
     def _common_apply(self, grads, trainable_variables=None, finite=None):
         finite = self.check_finite(grads)
         self._stateful_handle_finite_grads(grads, trainable_variables)
-        counter = self.skipped_step_counter
+        counter = self._skipped_step_counter
         counter.assign_add(ops.cast(ops.logical_not(finite), counter.dtype))
 
 

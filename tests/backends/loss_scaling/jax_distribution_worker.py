@@ -134,7 +134,7 @@ class StateRecorder(keras.callbacks.Callback):
                     int(c) for c in copies(optimizer.step_counter)
                 ],
                 "skipped_steps": [
-                    int(c) for c in copies(optimizer.skipped_step_counter)
+                    int(c) for c in copies(optimizer._skipped_step_counter)
                 ],
                 "iterations": [int(c) for c in copies(optimizer.iterations)],
             }

@@ -172,7 +172,7 @@ def assert_state(results, prefix, state):
         results[f"{prefix}/dynamic_scale"]
     )
     assert set(results[f"{prefix}/step_counter"].tolist()) == {counter}
-    assert set(results[f"{prefix}/skipped_step_counter"].tolist()) == {skipped}
+    assert set(results[f"{prefix}/_skipped_step_counter"].tolist()) == {skipped}
 
 
 def assert_scales_follow_the_rule(results, prefix, states):
@@ -230,7 +230,7 @@ def assert_reload_keeps_everything(results, case, trained_prefix):
     policy = case.rsplit("-", 1)[0]
     assert results[f"{case}/loaded/policies"].tolist() == [policy, "float32"]
     assert results[f"{case}/loaded/optimizer"] == "LossScaleOptimizer"
-    for name in ("dynamic_scale", "step_counter", "skipped_step_counter"):
+    for name in ("dynamic_scale", "step_counter", "_skipped_step_counter"):
         np.testing.assert_array_equal(
             results[f"{case}/loaded/{name}"],
             results[f"{trained_prefix}/{name}"],

@@ -26,6 +26,7 @@ from testing import to_numpy
 import keras_dtype_policy as kdp
 from keras_dtype_policy import DynamicLossScale
 from keras_dtype_policy import LossScaleOptimizer
+from keras_dtype_policy.loss_scaling.scale_rule import next_scale_state
 
 INITIAL, FLOOR, CEILING = 2.0**10, 1.0, 2.0**13
 
@@ -138,6 +139,56 @@ def test_state_machine_matches_the_reference(
     assert states == reference(steps, hysteresis, growth_steps)
     # No skipped step ever reached the weights.
     assert np.all(np.isfinite(to_numpy(variable)))
+
+
+def rule_states(steps, hysteresis, growth_steps, jit=False):
+    """`scale_rule.next_scale_state` driven over `steps`, as `reference`
+    reports them (the skipped count kept by hand, as the callers do)."""
+
+    def rule(scale, counter, streak, finite):
+        return next_scale_state(
+            scale,
+            counter,
+            streak,
+            finite,
+            growth_steps=growth_steps,
+            hysteresis=hysteresis,
+            min_scale=FLOOR,
+            max_scale=CEILING,
+        )
+
+    if jit:
+        import jax
+
+        rule = jax.jit(rule)
+    scale = np.float32(INITIAL)
+    counter, streak = np.int32(0), np.int32(0)
+    skipped = 0
+    states = []
+    for finite in steps:
+        scale, counter, streak = rule(scale, counter, streak, np.bool_(finite))
+        skipped += not finite
+        states.append(
+            (float(to_numpy(scale)), int(to_numpy(counter)), skipped)
+            + (int(to_numpy(streak)),)
+        )
+    return states
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(st.booleans(), min_size=1, max_size=24),
+    hysteresis=st.integers(1, 4),
+    growth_steps=st.integers(1, 3),
+)
+def test_the_pure_rule_matches_the_reference(
+    jit, steps, hysteresis, growth_steps
+):
+    if jit and BACKEND != "jax":
+        pytest.skip("jax.jit of the pure rule: on JAX only")
+    states = rule_states(steps, hysteresis, growth_steps, jit=jit)
+    assert states == reference(steps, hysteresis, growth_steps)
 
 
 @settings(max_examples=40, deadline=None)

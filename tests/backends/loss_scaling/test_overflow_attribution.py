@@ -210,3 +210,26 @@ def test_nonfinite_flags_one_per_gradient_none_for_none():
     flags = gradient_check.nonfinite_flags([finite, None, nan, inf])
     assert flags[1] is None
     assert [bool(flags[i]) for i in (0, 2, 3)] == [False, True, True]
+
+
+def test_one_public_accessor_per_fact():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.build([keras.Variable(np.ones((2,), "float32"))])
+    public = {
+        name
+        for name in vars(optimizer)
+        if not name.startswith("_")
+        and ("nonfinite" in name or "skipped" in name or "record" in name)
+    }
+    assert public == set()
+    accessors = {
+        name
+        for name in dir(type(optimizer))
+        if not name.startswith("_") and ("nonfinite" in name or "skip" in name)
+    }
+    assert accessors == {
+        "skipped_steps",
+        "nonfinite_steps_in_a_row",
+        "nonfinite_gradients",
+        "nonfinite_gradient_counts",
+    }

@@ -177,7 +177,7 @@ def results_of(model, prefix, results, scales=None):
     optimizer = model.optimizer
     for i, weight in enumerate(model.trainable_weights):
         results[f"{prefix}/weight{i}"] = replica_values(weight)
-    for name in ("dynamic_scale", "step_counter", "skipped_step_counter"):
+    for name in ("dynamic_scale", "step_counter", "_skipped_step_counter"):
         if hasattr(optimizer, name):
             results[f"{prefix}/{name}"] = replica_values(
                 getattr(optimizer, name)
