@@ -127,22 +127,26 @@ if _backend_error is None:
     from keras_dtype_policy.policies.rules_application import precision_scope
     from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
-    from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
-    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
-        get_layer_policy,
-    )
-    from keras_dtype_policy.tf_keras_compat.legacy_policy import global_policy
-    from keras_dtype_policy.tf_keras_compat.legacy_policy import (
-        set_global_policy,
-    )
-    from keras_dtype_policy.tf_keras_compat.legacy_policy import set_policy
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
     from keras_dtype_policy.tools.lost_updates import lost_updates
     from keras_dtype_policy.tools.nonfinite import find_nonfinite
 
+    # Aliases: one object, several names. Keras 3's own aliases first:
+    # `keras.mixed_precision.global_policy` and `set_global_policy` are
+    # `keras.config.dtype_policy` and `set_dtype_policy`.
+    global_policy = dtype_policy
+    set_global_policy = set_dtype_policy
+    # TensorFlow 2.3's names, kept at the top level for the code that used
+    # them there: the objects of `keras_dtype_policy.experimental`.
+    Policy = experimental.Policy
+    get_layer_policy = experimental.get_layer_policy
+    set_policy = experimental.set_policy
+
     install()
 
+# Keras 3's names and the package's own. `Policy`, `set_policy` and
+# `get_layer_policy` work too, as aliases of `experimental`'s (not listed).
 __all__ = [
     "DTypePolicy",
     "DynamicLossScale",
@@ -151,7 +155,6 @@ __all__ = [
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "LowPrecisionOptimizer",
-    "Policy",
     "PrecisionRule",
     "PrecisionRules",
     "SlowFloat16Warning",
@@ -161,7 +164,6 @@ __all__ = [
     "experimental",
     "find_nonfinite",
     "float16_rules",
-    "get_layer_policy",
     "get_loss_scale",
     "global_policy",
     "install",
@@ -174,6 +176,5 @@ __all__ = [
     "precision_scope",
     "set_dtype_policy",
     "set_global_policy",
-    "set_policy",
     "uninstall",
 ]

@@ -56,10 +56,13 @@ def set_dtype_policy(policy):
 
     This sets Keras' own global policy, so it holds for every layer built
     afterwards in this thread, as `keras.config.set_dtype_policy` does.
+    `keras_dtype_policy.set_global_policy` is this function, as
+    `keras.mixed_precision.set_global_policy` is Keras' own.
 
     Args:
-        policy: A policy name, such as `"mixed_float16"`, or a
-            `keras.DTypePolicy` instance.
+        policy: A policy name, such as `"mixed_float16"` (tf.keras' infer
+            names included), a `keras.DTypePolicy` instance, or None, which
+            restores the default float policy (`keras.config.floatx()`).
 
     Example:
 
@@ -68,6 +71,8 @@ def set_dtype_policy(policy):
     <DTypePolicy "mixed_float16">
     >>> keras_dtype_policy.set_dtype_policy("float32")
     """
+    if policy is None:
+        policy = keras.config.floatx()
     policy = as_policy(policy)
     hardware.warn_if_float16_is_slow(policy)
     keras.config.set_dtype_policy(_as_keras_global(policy))
@@ -87,6 +92,11 @@ def _as_keras_global(policy):
 
 def dtype_policy():
     """Returns the current global dtype policy of this thread.
+
+    `keras_dtype_policy.global_policy` is this function, as
+    `keras.mixed_precision.global_policy` is Keras' own, and so is
+    `keras_dtype_policy.experimental.global_policy`: tf.keras' returned the
+    policy that was set, as this does.
 
     Under a float8 global policy this is the float8 policy that was set
     (`keras.config.dtype_policy()` returns its source, which Keras' global

@@ -1,7 +1,9 @@
-"""The tf.keras mixed-precision API: `Policy`, `set_policy`, `global_policy`.
+"""TensorFlow 2.3's policy API: `Policy`, `set_policy`, `get_layer_policy`.
 
-`Policy` is tf.keras' experimental policy (TensorFlow 2.3's): tf.keras 2.4+'s
-`Policy` that also names a loss scale.
+The objects of `keras_dtype_policy.experimental` (its `global_policy` is the
+package's `dtype_policy`). `Policy` is tf.keras' experimental policy:
+tf.keras 2.4+'s `Policy` that also names a loss scale. The top level's
+`Policy`, `set_policy` and `get_layer_policy` are these same objects.
 """
 
 import warnings
@@ -197,15 +199,6 @@ def install_global_policy(policy, stacklevel=3):
         )
     hardware.warn_if_float16_is_slow(policy, stacklevel=stacklevel)
     keras.config.set_dtype_policy(policy)
-
-
-# tf.keras 2.4+ named it so outside the experimental namespace.
-set_global_policy = set_policy
-
-
-def global_policy():
-    """Returns the global policy of this thread, as tf.keras' did."""
-    return keras.config.dtype_policy()
 
 
 def get_layer_policy(layer):

@@ -38,7 +38,21 @@ def test_reads_what_keras_set():
     assert kdp.dtype_policy().name == "mixed_bfloat16"
 
 
-@pytest.mark.parametrize("bad", [None, 16, ["float32"]])
+def test_none_restores_the_default_float_policy():
+    # Beyond Keras (whose setter refuses None): the top level's
+    # set_global_policy is set_dtype_policy, and took None before.
+    kdp.set_dtype_policy("mixed_bfloat16")
+    kdp.set_dtype_policy(None)
+    assert kdp.dtype_policy().name == keras.config.floatx()
+    assert type(kdp.dtype_policy()) is kdp.DTypePolicy
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
+        keras.config.set_dtype_policy(None)
+    with pytest.raises(ValueError, match="Received: policy=None"):
+        with kdp.policy_scope(None):
+            pass
+
+
+@pytest.mark.parametrize("bad", [16, ["float32"]])
 def test_bad_policy_is_keras_value_error_and_changes_nothing(bad):
     kdp.set_dtype_policy("mixed_bfloat16")
     # The error type and the start of the message are Keras' own.

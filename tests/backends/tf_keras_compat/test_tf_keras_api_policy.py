@@ -129,7 +129,7 @@ def test_global_policy_set_and_restored():
 @pytest.mark.parametrize("policy", ["int32", "complex64", "bool"])
 def test_global_policy_must_be_floating(policy):
     with pytest.raises(ValueError) as error:
-        kdp.set_global_policy(policy)
+        experimental.set_policy(policy)
     assert str(error.value) == (
         "set_global_policy can only be used to set the global policy to "
         'floating-point policies, such as "float32" and "mixed_float16", '
