@@ -6,99 +6,14 @@ import its backend, the import raises an `ImportError` that names the
 backend and how to choose another, the backend's own error chained.
 """
 
-import importlib.util
-import json
-import os
-import sys
-
-__version__ = "0.1.0"
-
-_BACKENDS = ("jax", "tensorflow", "torch")
-
-
-def _backend_import_error(error):
-    """Returns the `ImportError` to raise when `import keras` failed."""
-    if isinstance(error, ModuleNotFoundError) and error.name == "keras":
-        return ImportError(
-            "keras_dtype_policy needs Keras 3, which is not installed: "
-            "pip install keras"
-        )
-    backend, source = _configured_backend()
-    others = [
-        name
-        for name in _BACKENDS
-        if name != backend and importlib.util.find_spec(name) is not None
-    ]
-    if others:
-        choose = f"export KERAS_BACKEND={others[0]}"
-        choose += f" (installed: {', '.join(others)})"
-    else:
-        choose = "install jax, tensorflow or torch; export KERAS_BACKEND=NAME"
-    if backend not in _BACKENDS:
-        return ImportError(
-            f"{backend!r} ({source}) is not a Keras backend: choose jax, "
-            f"tensorflow or torch: {choose}"
-        )
-    detail = (str(error).strip().splitlines() or [""])[0]
-    return ImportError(
-        f"Keras could not import its backend {backend} ({source}): "
-        f"{type(error).__name__}: {detail}. "
-        f"Install {backend}, or choose another backend: {choose}"
-    )
-
-
-def _configured_backend():
-    """Returns the backend Keras is set to, and what sets it."""
-    if os.environ.get("KERAS_BACKEND"):
-        return os.environ["KERAS_BACKEND"], "set by KERAS_BACKEND"
-    home = os.environ.get("KERAS_HOME") or os.path.expanduser("~/.keras")
-    try:
-        with open(os.path.join(home, "keras.json")) as f:
-            backend = json.load(f).get("backend")
-    except (OSError, ValueError, AttributeError):
-        backend = None
-    if isinstance(backend, str) and backend:
-        return backend, (
-            f"set in {os.path.join(home, 'keras.json')}, as KERAS_BACKEND "
-            "is not set"
-        )
-    return "tensorflow", "Keras' default, as KERAS_BACKEND is not set"
-
-
-def _running_the_command_line():
-    """True while the command line imports the package.
-
-    That is, the `keras-dtype-policy` script, or `python -m
-    keras_dtype_policy` (while Python locates the module to run,
-    `sys.argv[0]` is `"-m"`). The command line then reports a broken
-    backend itself, in one line, with `--help` and `--version` still
-    working.
-    """
-    program = os.path.basename(sys.argv[0]) if sys.argv else ""
-    if program.startswith("keras-dtype-policy"):
-        return True
-    if program != "-m":
-        return False
-    args = getattr(sys, "orig_argv", [])
-    for index, arg in enumerate(args[1:], start=1):
-        if arg.startswith("-m"):
-            module = arg[2:] or (
-                args[index + 1] if index + 1 < len(args) else ""
-            )
-            return module == __name__ or module.startswith(__name__ + ".")
-    return False
-
+from keras_dtype_policy import backend_check
+from keras_dtype_policy.version import __version__  # noqa: F401
 
 # Keras imports its backend here. Where the command line runs, the error
 # waits in `_backend_error` for the command line to report it.
-try:
-    import keras  # noqa: F401
-except Exception as error:
-    _backend_error = _backend_import_error(error)
-    if not _running_the_command_line():
-        raise _backend_error from error
-else:
-    _backend_error = None
+_backend_error = backend_check.keras_import_error()
+if _backend_error is not None and not backend_check.running_the_command_line():
+    raise _backend_error from _backend_error.__cause__
 
 if _backend_error is None:
     from keras_dtype_policy import experimental

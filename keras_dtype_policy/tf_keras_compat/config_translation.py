@@ -34,6 +34,7 @@ import re
 from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
     without_tf_keras_keys,
 )
+from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.policies.registration import registered_name
 from keras_dtype_policy.tf_keras_compat import attention_configs
 from keras_dtype_policy.tf_keras_compat import compile_objects
@@ -189,8 +190,6 @@ def _is_tf_keras_loss_scale_optimizer(config):
 
 
 def registered_name_of_ours():
-    from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
-
     return registered_name(LossScaleOptimizer)
 
 

@@ -27,6 +27,7 @@ from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import config_translation
+from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 from keras_dtype_policy.tf_keras_compat import model_files
 from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
@@ -152,7 +153,7 @@ def _override_policy(model, policy, changes, notes):
         new = rules_application.apply_rules(model, rules)
     except (TypeError, ValueError) as error:
         raise ModelFileError(f"--policy: {error}") from None
-    model_files.build_optimizer(new)
+    keras_files.build_optimizer(new)
     before = {layer.path: layer for layer in _all_layers(model)}
     for layer in _all_layers(new):
         old = before.get(layer.path)

@@ -24,8 +24,9 @@ import tempfile
 import keras
 import numpy as np
 
-from keras_dtype_policy.tf_keras_compat.model_files import ModelFile
-from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
+from keras_dtype_policy.tf_keras_compat import keras_files
+from keras_dtype_policy.tf_keras_compat.keras_files import ModelFile
+from keras_dtype_policy.tf_keras_compat.keras_files import ModelFileError
 
 METADATA_FILE = "keras_metadata.pb"
 GRAPH_FILE = "saved_model.pb"
@@ -41,14 +42,6 @@ _KERAS_API_CHILDREN = {
 }
 _KERAS_OBJECTS = ("_tf_keras_layer", "_tf_keras_network", "_tf_keras_model")
 _INNER_OPTIMIZER = ("inner_optimizer", "base_optimizer", "_optimizer")
-
-
-def is_saved_model_dir(path):
-    """Returns True if `path` is a directory that looks like a SavedModel."""
-    path = pathlib.Path(path)
-    return path.is_dir() and (
-        (path / GRAPH_FILE).is_file() or (path / METADATA_FILE).is_file()
-    )
 
 
 def read_saved_model_dir(path):
@@ -198,16 +191,14 @@ def _root_metadata(path, nodes):
     return metadata
 
 
-def load_model(model_file, load_h5):
+def load_model(model_file):
     """Loads the model of a SavedModel directory, its state included.
 
     Args:
         model_file: A `ModelFile` of format `"savedmodel"`.
-        load_h5: A function loading a `.h5` path as `model_files.load_model`
-            does, returning `(model, messages)`.
 
     Returns:
-        A `(model, messages)` pair, as `model_files.load_model`.
+        A `(model, messages)` pair, as `keras_files.load_path`.
 
     Raises:
         ModelFileError: if TensorFlow is not installed, or the checkpoint
@@ -219,7 +210,7 @@ def load_model(model_file, load_h5):
         h5_path = pathlib.Path(tmp) / f"{directory.name or 'model'}.h5"
         write_h5(h5_path, model_file, state)
         try:
-            model, messages = load_h5(h5_path)
+            model, messages = keras_files.load_path(h5_path)
         except ModelFileError as error:
             raise ModelFileError(
                 str(error).replace(str(h5_path), str(directory))

@@ -12,6 +12,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_dtype_policy.loss_scaling import plots
 from keras_dtype_policy.loss_scaling.callbacks import LossScaleMonitor
 from keras_dtype_policy.policies.global_policy import policy_scope
 from keras_dtype_policy.policies.introspection import public_class_name
@@ -368,8 +369,6 @@ def activation_bytes(model, batch_size):
 
 def write_plot(path, runs):
     """Writes the PNG of the chosen run's loss scale and both runs' loss."""
-    from keras_dtype_policy.loss_scaling import plots
-
     chosen = runs[0]
     losses = {}
     for run in runs:

@@ -17,7 +17,10 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.policies import rules_application
-from keras_dtype_policy.tools import audit as audit_module
+from keras_dtype_policy.tools import tables
+from keras_dtype_policy.tools.gradients import first_samples
+from keras_dtype_policy.tools.gradients import weight_gradients
+from keras_dtype_policy.tools.rounding import round_to
 
 OPTIMIZER_STEPS = ("sgd", "adam")
 DTYPES = ("bfloat16", "float16")
@@ -100,8 +103,6 @@ class LostUpdates:
 
     def format(self):
         """Returns the result as lines of text."""
-        from keras_dtype_policy.tools import tables
-
         rows = [
             (
                 row.path,
@@ -189,10 +190,10 @@ def lost_updates(
             "Received: loss=None"
         )
     reference = rules_application.apply_rules(model, "float32", False)
-    gradients = audit_module.weight_gradients(
+    gradients = weight_gradients(
         reference,
-        audit_module.first_samples(x, batch_size),
-        audit_module.first_samples(y, batch_size),
+        first_samples(x, batch_size),
+        first_samples(y, batch_size),
         loss,
     )
     rows = []
@@ -231,8 +232,8 @@ def lost_mask(weight, update, dtype):
     Returns:
         A boolean array: True where the update is nonzero and lost.
     """
-    stored = _round(weight, dtype)
-    updated = _round(stored + update, dtype)
+    stored = round_to(weight, dtype)
+    updated = round_to(stored + update, dtype)
     return (update != 0) & (updated == stored)
 
 
@@ -250,15 +251,6 @@ def weight_row(path, weight, update, dtype):
         if count
         else 0.0,
     )
-
-
-def _round(values, dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return values.astype(ml_dtypes.bfloat16).astype("float64")
-    with np.errstate(over="ignore"):
-        return values.astype("float16").astype("float64")
 
 
 def _check_arguments(model, learning_rate, optimizer, dtype, batch_size):

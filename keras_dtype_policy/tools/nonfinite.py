@@ -10,14 +10,15 @@ autodiff, at an optional loss scale) and the variables whose gradients are
 not finite are named.
 """
 
-import contextlib
 import dataclasses
 
 import keras
 import numpy as np
 
 from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.tools import layer_recorder
 from keras_dtype_policy.tools.float_tensors import float_tensors
+from keras_dtype_policy.tools.gradients import gradients
 
 
 @dataclasses.dataclass
@@ -181,7 +182,11 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
     x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
     report = NonfiniteReport(inputs_finite=_all_finite(x))
     records = []
-    with _recording(introspection.layer_paths(model), records):
+
+    def record(path, layer, args, kwargs, result):
+        records.append((path, layer, float_tensors(result)))
+
+    with layer_recorder.recording(introspection.layer_paths(model), record):
         model(x, training=False)
     for path, layer, outputs in records:
         found = _value_range(path, _compute_dtype(layer), outputs)
@@ -223,30 +228,6 @@ def _loss_function(model, loss):
 def _compute_dtype(layer):
     policy = getattr(layer, "dtype_policy", None)
     return getattr(policy, "compute_dtype", None) or "float32"
-
-
-@contextlib.contextmanager
-def _recording(layers, records):
-    """Replaces each layer's `call` for the while by one that records
-    `(path, layer, outputs)` as it returns."""
-    for path, layer in layers:
-        object.__setattr__(layer, "call", _recorder(path, layer, records))
-    try:
-        yield
-    finally:
-        for _, layer in layers:
-            layer.__dict__.pop("call", None)
-
-
-def _recorder(path, layer, records):
-    call = layer.call
-
-    def recording_call(*args, **kwargs):
-        result = call(*args, **kwargs)
-        records.append((path, layer, float_tensors(result)))
-        return result
-
-    return recording_call
 
 
 def _all_finite(structure):
@@ -292,39 +273,9 @@ def _largest(dtype):
 def _gradients(model, x, y, loss, scale):
     """The gradients of `mean(loss(y, model(x))) * scale` with respect to
     the model's trainable variables, on each backend's own autodiff."""
-    variables = model.trainable_variables
 
     def scaled_loss(y_pred):
         value = keras.ops.mean(loss(y, y_pred))
         return keras.ops.multiply(keras.ops.cast(value, "float32"), scale)
 
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        trainable = [v.value for v in variables]
-        non_trainable = [v.value for v in model.non_trainable_variables]
-
-        def compute(values):
-            y_pred, _ = model.stateless_call(values, non_trainable, x)
-            return scaled_loss(y_pred)
-
-        return jax.grad(compute)(trainable)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            value = scaled_loss(model(x, training=False))
-        return tape.gradient(value, variables)
-    if backend == "torch":
-        for variable in variables:
-            variable.value.grad = None
-        scaled_loss(model(x, training=False)).backward()
-        grads = [variable.value.grad for variable in variables]
-        for variable in variables:
-            variable.value.grad = None
-        return grads
-    raise ValueError(
-        "`find_nonfinite` takes gradients on jax, tensorflow or torch, not "
-        f"on the {backend!r} backend"
-    )
+    return gradients(model, scaled_loss, x, "`find_nonfinite` takes")

@@ -23,15 +23,17 @@ ALLOWED = {
     "policies": set(),
     "loss_scaling": {"policies"},
     "tf_keras_compat": {"policies", "loss_scaling"},
-    # The tools read the package version from the top-level package.
+    # The command line reads `version` and `backend_check` at the top level.
     "tools": {"policies", "loss_scaling", "tf_keras_compat", ""},
 }
 TOP_LEVEL_MODULES = {
     "__init__",
     "__main__",
+    "backend_check",
     "experimental",
     "mixed_precision",
     "patches",
+    "version",
 }
 
 

@@ -1,0 +1,3 @@
+"""The package's version, readable without importing Keras."""
+
+__version__ = "0.1.0"
