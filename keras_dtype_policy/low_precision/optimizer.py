@@ -5,8 +5,10 @@ import types
 import keras
 from keras import ops
 
-from keras_dtype_policy.loss_scaling import compensated_updates
-from keras_dtype_policy.loss_scaling import inner_optimizer_config
+from keras_dtype_policy.loss_scaling.inner_optimizer_config import (
+    deserialize_optimizer,
+)
+from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.policies.registration import register
 
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
@@ -349,7 +351,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner_optimizer = inner_optimizer_config.deserialize_optimizer(
+        inner_optimizer = deserialize_optimizer(
             config.pop("inner_optimizer", None), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
