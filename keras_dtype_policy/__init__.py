@@ -23,10 +23,8 @@ if _backend_error is None:
     from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
     from keras_dtype_policy.loss_scaling.loss_scale import LossScale
     from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
-    from keras_dtype_policy.loss_scaling.low_precision_optimizer import (
-        LowPrecisionOptimizer,
-    )
     from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
+    from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
     from keras_dtype_policy.patches import install
     from keras_dtype_policy.patches import is_installed
     from keras_dtype_policy.patches import uninstall

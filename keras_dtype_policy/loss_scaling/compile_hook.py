@@ -10,11 +10,9 @@ from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
-from keras_dtype_policy.loss_scaling.low_precision_optimizer import (
-    LowPrecisionOptimizer,
-)
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
+from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
 from keras_dtype_policy.policies import names as policy_names
 
 # Returned by `loss_scale_for_model` when the policy does not say.

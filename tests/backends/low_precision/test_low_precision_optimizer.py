@@ -14,7 +14,7 @@ from testing import to_numpy
 import keras_dtype_policy
 from keras_dtype_policy import LossScaleOptimizer
 from keras_dtype_policy import LowPrecisionOptimizer
-from keras_dtype_policy.loss_scaling import compensated_updates
+from keras_dtype_policy.low_precision import compensated_updates
 
 BFLOAT16_ULP_BELOW_ONE = 2.0**-8
 

@@ -1,11 +1,11 @@
 """Writing float32 results into bfloat16 and float16 storage.
 
-Three ways to store a value computed in float32 into a low-precision
-variable, all through `keras.ops`, so they run eagerly and under `jit`
-(JAX), `tf.function` (XLA too) and torch alike:
+Two ways to store a value computed in float32 into a low-precision
+variable without losing the updates that the cast Keras itself does
+(rounding to nearest) loses, those smaller than half a unit in the last
+place (ulp) of the value. Both go through `keras.ops`, so they run eagerly
+and under `jit` (JAX), `tf.function` (XLA too) and torch alike:
 
-- `round_to_nearest`: the cast Keras itself does; an update smaller than
-  half a unit in the last place (ulp) of the value is lost.
 - `kahan_write`: the rounded value goes to the weight and what rounding
   took off goes to a compensation buffer of the weight's dtype, which the
   next read adds back (Kahan summation, as optimi does): updates add up
@@ -33,11 +33,6 @@ _FLOAT16_SUBNORMAL_STEP = 2.0**-24
 def is_low_precision(dtype):
     """True for bfloat16 and float16."""
     return keras.backend.standardize_dtype(dtype) in LOW_PRECISION_DTYPES
-
-
-def round_to_nearest(value, dtype):
-    """Returns float32 `value` cast to `dtype`, rounding to nearest."""
-    return ops.cast(value, dtype)
 
 
 def stochastic_round(value, dtype, seed):

@@ -1,0 +1,102 @@
+"""Checks of `LowPrecisionOptimizer`'s arguments."""
+
+import keras
+
+UPDATES = ("kahan", "stochastic_rounding", "nearest")
+STATE_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def check_inner_optimizer(inner_optimizer, wrapper_class):
+    """Raises unless `inner_optimizer` can go inside `wrapper_class`.
+
+    Args:
+        inner_optimizer: The optimizer to wrap.
+        wrapper_class: The wrapper's class, which may not wrap itself.
+    """
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "LowPrecisionOptimizer goes inside a LossScaleOptimizer, not "
+            "around one: wrap the inner optimizer first, then the result "
+            "in the LossScaleOptimizer. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if isinstance(inner_optimizer, wrapper_class):
+        raise TypeError(
+            "`inner_optimizer` is already a LowPrecisionOptimizer. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a keras.optimizers.Optimizer "
+            f"instance. Received: inner_optimizer={inner_optimizer!r} "
+            f"(of type {type(inner_optimizer).__name__})"
+        )
+    if inner_optimizer.use_ema:
+        raise ValueError(
+            "LowPrecisionOptimizer does not support an inner optimizer with "
+            "`use_ema=True`. Received: inner_optimizer with use_ema=True"
+        )
+    if inner_optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "LowPrecisionOptimizer does not support an inner optimizer with "
+            "`gradient_accumulation_steps`. Received: "
+            "gradient_accumulation_steps="
+            f"{inner_optimizer.gradient_accumulation_steps!r}"
+        )
+    if inner_optimizer.built:
+        raise ValueError(
+            "`inner_optimizer` must not be built yet: the wrapper builds it "
+            "on float32 views of low-precision weights. "
+            f"Received: inner_optimizer={inner_optimizer!r} (built)"
+        )
+
+
+def check_update(update):
+    """Returns `update` if it is one of `UPDATES`, else raises."""
+    if not isinstance(update, str):
+        raise TypeError(
+            f"`update` must be one of {', '.join(map(repr, UPDATES))}. "
+            f"Received: update={update!r} (of type {type(update).__name__})"
+        )
+    if update not in UPDATES:
+        raise ValueError(
+            f"`update` must be one of {', '.join(map(repr, UPDATES))}. "
+            f"Received: update={update!r}"
+        )
+    return update
+
+
+def check_state_dtype(state_dtype):
+    """Returns `state_dtype` standardized, if one of `STATE_DTYPES`."""
+    if state_dtype is None:
+        return None
+    expected = "None, 'float32', 'bfloat16' or 'float16'"
+    if not isinstance(state_dtype, str):
+        raise TypeError(
+            f"`state_dtype` must be {expected}. "
+            f"Received: state_dtype={state_dtype!r} "
+            f"(of type {type(state_dtype).__name__})"
+        )
+    try:
+        standard = keras.backend.standardize_dtype(state_dtype)
+    except (TypeError, ValueError, AttributeError):
+        standard = None
+    if standard not in STATE_DTYPES:
+        raise ValueError(
+            f"`state_dtype` must be {expected}. "
+            f"Received: state_dtype={state_dtype!r} "
+            f"(of type {type(state_dtype).__name__})"
+        )
+    return standard
+
+
+def check_seed(seed):
+    """Returns `seed` if it is an int or None, else raises."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            "`seed` must be an int or None. "
+            f"Received: seed={seed!r} (of type {type(seed).__name__})"
+        )
+    return seed

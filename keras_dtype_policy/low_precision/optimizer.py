@@ -1,0 +1,286 @@
+"""`LowPrecisionOptimizer`: training bfloat16 and float16 weights."""
+
+import keras
+from keras import ops
+
+from keras_dtype_policy.low_precision import arguments
+from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import inner_step
+from keras_dtype_policy.low_precision.float32_views import Float32View
+from keras_dtype_policy.low_precision.float32_views import route_writes
+from keras_dtype_policy.policies.registration import register
+
+
+@register
+class LowPrecisionOptimizer(keras.optimizers.Optimizer):
+    """An optimizer whose updates survive bfloat16 and float16 weights.
+
+    Wraps a Keras optimizer: its arithmetic runs in float32, on values read
+    from the low-precision weights, and only the writes are rounded, as
+    `update` says (float32 weights get the inner optimizer's own update).
+    The compile hook installs it for the `"kahan_bfloat16"`,
+    `"stochastic_bfloat16"`, `"kahan_float16"` and `"stochastic_float16"`
+    policies. docs/low-precision-training.md says how it works, what it
+    supports and what it costs.
+
+    Args:
+        inner_optimizer: The unbuilt `keras.optimizers.Optimizer` to wrap.
+        update: `"kahan"` (default), `"stochastic_rounding"` or `"nearest"`.
+        state_dtype: The optimizer state's dtype; None for each weight's.
+        seed: An int seeding the random rounding; None draws one.
+        name: The optimizer's name.
+
+    Example:
+
+    >>> optimizer = keras_dtype_policy.LowPrecisionOptimizer(
+    ...     keras.optimizers.SGD(1e-4), update="kahan"
+    ... )
+    >>> weight = keras.Variable(1.0, dtype="bfloat16")
+    >>> for _ in range(1000):
+    ...     optimizer.apply([keras.ops.ones((), "bfloat16")], [weight])
+    >>> round(float(weight.numpy()), 2)
+    0.9
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        update="kahan",
+        state_dtype=None,
+        seed=None,
+        name=None,
+    ):
+        arguments.check_inner_optimizer(inner_optimizer, LowPrecisionOptimizer)
+        update = arguments.check_update(update)
+        state_dtype = arguments.check_state_dtype(state_dtype)
+        seed = arguments.check_seed(seed)
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self._update = update
+        self._state_dtype = state_dtype
+        self._seed = seed
+        self._targets = _Targets()
+        self.seed_generator = None
+
+    @property
+    def update(self):
+        """How results are written: `"kahan"`, `"stochastic_rounding"` or
+        `"nearest"`."""
+        return self._update
+
+    @property
+    def state_dtype(self):
+        """The dtype of the optimizer state, or None for each weight's."""
+        return self._state_dtype
+
+    @property
+    def seed(self):
+        """The seed of the random rounding, or None."""
+        return self._seed
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def compensation_of(self, variable):
+        """Returns the compensation buffer of a weight, or None."""
+        view = self._targets.views.get(id(variable))
+        return None if view is None else view.compensation
+
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        super().build(var_list)
+        targets = self._targets
+        slot_dtypes = []
+        for variable in var_list:
+            weight_dtype = keras.backend.standardize_dtype(variable.dtype)
+            slot_dtype = self._state_dtype or weight_dtype
+            low = compensated_updates.is_low_precision(weight_dtype)
+            if not keras.backend.is_float_dtype(weight_dtype) or (
+                not low and slot_dtype == weight_dtype
+            ):
+                targets.order.append(variable)
+                continue
+            compensation = None
+            if low and self._update == "kahan":
+                compensation = self.add_variable(
+                    shape=variable.shape,
+                    dtype=weight_dtype,
+                    name=_slot_name(variable, "compensation"),
+                    layout=getattr(variable, "_layout", None),
+                )
+            view = Float32View(self, variable, compensation, slot_dtype)
+            targets.views[id(variable)] = view
+            targets.order.append(view)
+            slot_dtypes.append(slot_dtype)
+        inner = self.inner_optimizer
+        route_writes(inner, self)
+        for view in targets.views.values():
+            view._building = True
+        try:
+            inner.build(targets.order)
+        finally:
+            for view in targets.views.values():
+                view._building = False
+        skip = {id(inner._iterations)}
+        if isinstance(inner._learning_rate, keras.Variable):
+            skip.add(id(inner._learning_rate))
+        for slot in inner.variables:
+            if id(slot) not in skip and compensated_updates.is_low_precision(
+                slot.dtype
+            ):
+                targets.rounded_slots[id(slot)] = slot
+        stochastic_weights = self._update == "stochastic_rounding" and any(
+            compensated_updates.is_low_precision(v.dtype) for v in var_list
+        )
+        stochastic_slots = self._update != "nearest" and bool(
+            targets.rounded_slots
+        )
+        if stochastic_weights or stochastic_slots:
+            with keras.name_scope(self.name, caller=self):
+                self.seed_generator = keras.random.SeedGenerator(
+                    self._seed, name="rounding_seed"
+                )
+            self._track_variable(self.seed_generator.state)
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies one step: the inner optimizer's, with rounded writes."""
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self._targets.views:
+            return self.inner_optimizer.apply(grads, trainable_variables)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                return self._apply(grads, trainable_variables)
+        return self._apply(grads, trainable_variables)
+
+    def _apply(self, grads, trainable_variables):
+        inner = self.inner_optimizer
+        pairs = [
+            (g, v)
+            for g, v in zip(grads, trainable_variables, strict=True)
+            if g is not None
+        ]
+        if not pairs:
+            raise ValueError("No gradients provided for any variable.")
+        with keras.name_scope(inner.name, caller=inner):
+            grads = inner_step.summed_across_replicas([g for g, _ in pairs])
+            scale = inner.loss_scale_factor
+            if scale is not None:
+                grads = [g / scale for g in grads]
+            grads = inner._clip_gradients(grads)
+            learning_rate = inner.learning_rate
+            inner_step.advance_step_state(inner)
+            variables = [v for _, v in pairs]
+            for grad, variable in zip(grads, variables, strict=True):
+                if getattr(variable, "overwrite_with_gradient", False):
+                    variable.assign(grad)
+                    continue
+                target = self._targets.views.get(id(variable), variable)
+                if inner.weight_decay is not None and inner._use_weight_decay(
+                    variable
+                ):
+                    decay = ops.multiply(
+                        ops.cast(inner.weight_decay, target.dtype),
+                        ops.cast(learning_rate, target.dtype),
+                    )
+                    value = ops.convert_to_tensor(target)
+                    target.assign(value - value * decay)
+                inner.update_step(grad, target, learning_rate)
+                if variable.constraint is not None:
+                    target.assign(
+                        variable.constraint(ops.convert_to_tensor(target))
+                    )
+            inner._iterations.assign_add(1)
+
+    def _write(self, view, value):
+        """Writes a float32 result into the weight behind `view`."""
+        weight = view.weight
+        value = ops.cast(value, "float32")
+        if not compensated_updates.is_low_precision(weight.dtype):
+            weight.assign(ops.cast(value, weight.dtype))
+        elif view.compensation is not None:
+            compensated_updates.kahan_write(weight, view.compensation, value)
+        elif self._update == "stochastic_rounding":
+            weight.assign(
+                compensated_updates.stochastic_round(
+                    value, weight.dtype, self.seed_generator
+                )
+            )
+        else:
+            weight.assign(ops.cast(value, weight.dtype))
+
+    def _write_slot(self, slot, value):
+        """Writes a float32 result into a low-precision optimizer slot."""
+        value = ops.cast(value, "float32")
+        if self._update == "nearest":
+            slot.assign(ops.cast(value, slot.dtype))
+        else:
+            slot.assign(
+                compensated_updates.stochastic_round(
+                    value, slot.dtype, self.seed_generator
+                )
+            )
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "update": self._update,
+            "state_dtype": self._state_dtype,
+            "seed": self._seed,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner_optimizer = config.pop("inner_optimizer", None)
+        if isinstance(inner_optimizer, dict):
+            inner_optimizer = keras.optimizers.deserialize(
+                inner_optimizer, custom_objects=custom_objects
+            )
+        elif isinstance(inner_optimizer, str):
+            inner_optimizer = keras.optimizers.get(inner_optimizer)
+        return cls(inner_optimizer, **config)
+
+
+class _Targets:
+    """What the wrapper built, kept out of Keras' variable tracking."""
+
+    def __init__(self):
+        self.views = {}
+        self.order = []
+        self.rounded_slots = {}
+
+
+def _slot_name(variable, name):
+    return f"{variable.path.replace('/', '_')}_{name}"
