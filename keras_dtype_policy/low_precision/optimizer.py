@@ -1,5 +1,7 @@
 """`LowPrecisionOptimizer`: training bfloat16 and float16 weights."""
 
+import copy
+
 import keras
 from keras import ops
 
@@ -265,8 +267,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         config = dict(config)
         inner_optimizer = config.pop("inner_optimizer", None)
         if isinstance(inner_optimizer, dict):
+            # A copy: Keras rewrites the class name of the dict it is given.
             inner_optimizer = keras.optimizers.deserialize(
-                inner_optimizer, custom_objects=custom_objects
+                copy.deepcopy(inner_optimizer), custom_objects=custom_objects
             )
         elif isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
