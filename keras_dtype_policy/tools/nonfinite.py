@@ -16,7 +16,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.tools.float_tensors import float_tensors
 
 
@@ -181,7 +181,7 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
     x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
     report = NonfiniteReport(inputs_finite=_all_finite(x))
     records = []
-    with _recording(introspection.layer_paths(model), records):
+    with _recording(layer_walk.layer_paths(model), records):
         model(x, training=False)
     for path, layer, outputs in records:
         found = _value_range(path, _compute_dtype(layer), outputs)
