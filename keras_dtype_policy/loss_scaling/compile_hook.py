@@ -15,6 +15,7 @@ from keras_dtype_policy.loss_scaling.low_precision_optimizer import (
 )
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import names as policy_names
 
 # Returned by `loss_scale_for_model` when the policy does not say.
@@ -76,11 +77,6 @@ def wrap_optimizer(optimizer, loss_scale):
         initial_scale=loss_scale.initial_scale,
         name="loss_scale_optimizer",
     )
-
-
-def choose_optimizer(model, optimizer):
-    """Returns the optimizer `model.compile` should use for `optimizer`."""
-    return choose_optimizers(model, optimizer)[0]
 
 
 def choose_optimizers(model, optimizer):
@@ -191,7 +187,7 @@ def make_hooked_compile(original_compile):
 
     Returns:
         A function with the same signature. With `auto_scale_loss=True` (the
-        default) it wraps the optimizer as `choose_optimizer` says, then
+        default) it wraps the optimizer as `choose_optimizers` says, then
         calls Keras' compile with `auto_scale_loss=False`, so Keras' own rule
         (the exact name "mixed_float16") never wraps a second time. Under a
         `tf.distribute` strategy with several replicas, a loss-scaled model
@@ -249,15 +245,8 @@ def _policies_in(model):
     raw_policy = getattr(model, "_dtype_policy", None)
     if isinstance(raw_policy, keras.dtype_policies.DTypePolicyMap):
         yield raw_policy
-    for layer in _walk_layers(model):
+    for layer in layer_walk.all_layers(model, include_inputs=True):
         yield layer.dtype_policy
-
-
-def _walk_layers(model):
-    for layer in getattr(model, "layers", ()):
-        yield layer
-        if layer is not model:
-            yield from _walk_layers(layer)
 
 
 def _computes_float16(policy):
