@@ -27,8 +27,9 @@ def loss_scale_for_model(model):
 
     A policy that carries its own `loss_scale` (the tf.keras `Policy`) gets
     that scale, which may be None. Otherwise a model whose policy, or any of
-    whose layers' policies, computes in float16 gets a `DynamicLossScale`
-    with Keras' defaults; any other model gets None.
+    whose layers' policies (layers inside custom layers included, see
+    `layer_walk`), computes in float16 gets a `DynamicLossScale` with
+    Keras' defaults; any other model gets None.
 
     Args:
         model: A Keras model.
