@@ -2,8 +2,10 @@
 
 A keras-hub backbone is a functional model whose transformer blocks are
 custom layers holding their attention and Dense layers as attributes,
-out of every model's `layers`. Here only the EinsumDense layers inside the
-blocks compute in float16 (a precision rule): compiling the task still
+out of every model's `layers`. Here only the attention layers inside the
+blocks, and their own layers, compute in float16 (a precision rule by
+path; the dropout after each casts back to float32 before the residual
+add, which TensorFlow needs in one dtype): compiling the task still
 installs a `LossScaleOptimizer`, and a step trains. Tiny models built from
 config: nothing is downloaded; `tox -e keras-hub` runs this file once per
 backend.
@@ -22,8 +24,17 @@ keras_hub = pytest.importorskip(
 from hub_models import causal_lm_data  # noqa: E402
 from hub_models import gpt2_causal_lm  # noqa: E402
 
-EINSUM_IN_FLOAT16 = kdp.PrecisionRules(
-    "float32", [kdp.PrecisionRule("mixed_float16", layers="EinsumDense")]
+# The blocks' attention layers and theirs; the blocks and models stay
+# float32.
+BLOCK = "gpt2_backbone/transformer_layer_*"
+ATTENTION_IN_FLOAT16 = kdp.PrecisionRules(
+    "float32",
+    [
+        kdp.PrecisionRule(
+            "mixed_float16",
+            paths=(f"{BLOCK}/self_attention", f"{BLOCK}/self_attention/*"),
+        )
+    ],
 )
 
 
@@ -35,13 +46,14 @@ def layers_through_models(model):
 
 
 def test_float16_layers_inside_a_backbone_get_a_loss_scale_optimizer():
-    task = kdp.apply_rules(gpt2_causal_lm(), EINSUM_IN_FLOAT16)
+    task = kdp.apply_rules(gpt2_causal_lm(), ATTENTION_IN_FLOAT16)
     float16 = [
         path
         for path, layer in layer_walk.layer_paths(task)
         if layer.compute_dtype == "float16"
     ]
     assert "gpt2_backbone/transformer_layer_0/self_attention/query" in float16
+    assert "gpt2_backbone/transformer_layer_0" not in float16
     assert task.compute_dtype == "float32"
     assert task.backbone.compute_dtype == "float32"
     assert not any(
