@@ -13,6 +13,7 @@ from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
 from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import names as policy_names
 
 # Returned by `loss_scale_for_model` when the policy does not say.
@@ -24,8 +25,9 @@ def loss_scale_for_model(model):
 
     A policy that carries its own `loss_scale` (the tf.keras `Policy`) gets
     that scale, which may be None. Otherwise a model whose policy, or any of
-    whose layers' policies, computes in float16 gets a `DynamicLossScale`
-    with Keras' defaults; any other model gets None.
+    whose layers' policies (layers inside custom layers included, see
+    `layer_walk`), computes in float16 gets a `DynamicLossScale` with
+    Keras' defaults; any other model gets None.
 
     Args:
         model: A Keras model.
@@ -74,11 +76,6 @@ def wrap_optimizer(optimizer, loss_scale):
         initial_scale=loss_scale.initial_scale,
         name="loss_scale_optimizer",
     )
-
-
-def choose_optimizer(model, optimizer):
-    """Returns the optimizer `model.compile` should use for `optimizer`."""
-    return choose_optimizers(model, optimizer)[0]
 
 
 def choose_optimizers(model, optimizer):
@@ -189,7 +186,7 @@ def make_hooked_compile(original_compile):
 
     Returns:
         A function with the same signature. With `auto_scale_loss=True` (the
-        default) it wraps the optimizer as `choose_optimizer` says, then
+        default) it wraps the optimizer as `choose_optimizers` says, then
         calls Keras' compile with `auto_scale_loss=False`, so Keras' own rule
         (the exact name "mixed_float16") never wraps a second time. Under a
         `tf.distribute` strategy with several replicas, a loss-scaled model
@@ -247,15 +244,8 @@ def _policies_in(model):
     raw_policy = getattr(model, "_dtype_policy", None)
     if isinstance(raw_policy, keras.dtype_policies.DTypePolicyMap):
         yield raw_policy
-    for layer in _walk_layers(model):
+    for layer in layer_walk.all_layers(model, include_inputs=True):
         yield layer.dtype_policy
-
-
-def _walk_layers(model):
-    for layer in getattr(model, "layers", ()):
-        yield layer
-        if layer is not model:
-            yield from _walk_layers(layer)
 
 
 def _computes_float16(policy):

@@ -13,7 +13,9 @@ where, when no known place has it:
   a registry of quantization strategies from 3.16);
 - where a layer class gets its float8 path (`float8_path_owner`: a
   `_float8_call` method up to Keras 3.15, a quantization geometry that the
-  float8 strategy handles from 3.16).
+  float8 strategy handles from 3.16);
+- how a layer lists the layers it tracks (`tracked_sublayers`: the
+  `Layer._flatten_layers` method, Keras 3.0 to 3.16).
 """
 
 import importlib
@@ -35,6 +37,9 @@ _KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
 # the method that gives a layer its quantization geometry (Keras 3.16).
 FLOAT8_CALL = "_float8_call"
 QUANTIZATION_GEOMETRY = "_quantization_geometry"
+
+# The method by which a Keras layer lists the layers it tracks.
+FLATTEN_LAYERS = "_flatten_layers"
 
 # The module that defines the trainer all Keras models share.
 TRAINER_MODULE = "keras.src.trainers.trainer"
@@ -153,6 +158,27 @@ def float8_path_owner(layer):
         f"3.12 to 3.15) nor {QUANTIZATION_GEOMETRY} (Keras 3.16) "
         f"(keras {keras.__version__}). Please report this."
     )
+
+
+def tracked_sublayers(layer):
+    """Returns the layers `layer` tracks directly, in Keras' order.
+
+    Keras tracks the layers a layer assigns to its attributes (inside
+    lists, dicts and tuples too) and a model's layers; its
+    `_flatten_layers(include_self=False, recursive=False)` lists them.
+
+    Raises:
+        KerasInternalsError: if `keras.layers.Layer` has no
+            `_flatten_layers`.
+    """
+    flatten = getattr(type(layer), FLATTEN_LAYERS, None)
+    if flatten is None:
+        raise KerasInternalsError(
+            "keras_dtype_policy cannot list the layers a layer holds: "
+            f"keras.layers.Layer defines no {FLATTEN_LAYERS} "
+            f"(keras {keras.__version__}). Please report this."
+        )
+    return list(flatten(layer, include_self=False, recursive=False))
 
 
 def is_quantized_policy_name(name):

@@ -300,10 +300,6 @@ class PrecisionRules:
         """Returns new rules with `rules` added last (they win)."""
         return PrecisionRules(self._default, self._rules + tuple(rules))
 
-    def with_default(self, default):
-        """Returns the same rules over another default policy."""
-        return PrecisionRules(default, self._rules)
-
     def get_config(self):
         """Returns the rules as a JSON-serializable dict."""
         return {

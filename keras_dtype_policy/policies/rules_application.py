@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.policies import float8
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import precision_rules
 
 _state = threading.local()
@@ -192,7 +192,7 @@ def float32_is_pinned(model):
     float32: its float32 layers are then pinned there on purpose."""
     return any(
         layer.dtype_policy.compute_dtype != "float32"
-        for layer in _leaf_layers(model)
+        for layer in layer_walk.leaf_layers(model)
     )
 
 
@@ -210,7 +210,7 @@ def rebuild(model, chooser, with_paths=False):
         chooser: `chooser(layer, requested_dtype, path)` returns the policy
             of a newly created layer (its policy is still the one the
             config gives), or None to keep that. `path` is the layer's
-            path in the copy (see `introspection.layer_paths`) with
+            path in the copy (see `layer_walk.layer_paths`) with
             `with_paths`, else None.
         with_paths: Whether `chooser` needs paths (the copy is then built
             twice).
@@ -287,8 +287,8 @@ def zip_layer_paths(copy, model, purpose):
     Raises:
         RuntimeError: if the copy holds other layers than `model`.
     """
-    ours = introspection.layer_paths(model)
-    theirs = introspection.layer_paths(copy)
+    ours = layer_walk.layer_paths(model)
+    theirs = layer_walk.layer_paths(copy)
     classes = [type(layer).__name__ for _, layer in ours]
     if classes != [type(layer).__name__ for _, layer in theirs]:
         raise RuntimeError(
@@ -322,9 +322,7 @@ def _set_container_policies(model, choices):
     backbones and tasks set theirs from their config after their layers
     are made, and would keep reporting the old one.
     """
-    containers = [model] + [
-        layer for _, layer in introspection.layer_paths(model)
-    ]
+    containers = [model] + [layer for _, layer in layer_walk.layer_paths(model)]
     for container in containers:
         if not _is_functional(container):
             continue
@@ -334,8 +332,8 @@ def _set_container_policies(model, choices):
             continue
         leaves = [
             layer
-            for path, layer in introspection.layer_paths(container)
-            if introspection.is_leaf(layer)
+            for path, layer in layer_walk.layer_paths(container)
+            if layer_walk.is_leaf(layer)
         ]
         if not leaves:
             continue
@@ -369,7 +367,10 @@ def _without_needless_scaling(compile_config, model):
     inner = (optimizer.get("config") or {}).get("inner_optimizer")
     if optimizer.get("class_name") != "LossScaleOptimizer" or not inner:
         return compile_config
-    if any(layer.compute_dtype == "float16" for layer in _leaf_layers(model)):
+    if any(
+        layer.compute_dtype == "float16"
+        for layer in layer_walk.leaf_layers(model)
+    ):
         return compile_config
     return {**compile_config, "optimizer": inner}
 
@@ -415,8 +416,8 @@ def _pairs_by_layer(old, new):
     `inputs_scale`): the new copy's starts at Keras' initial values, the
     old copy's is left behind. Any other difference is an error.
     """
-    old_layers = introspection.layer_paths(old)
-    new_layers = introspection.layer_paths(new)
+    old_layers = layer_walk.layer_paths(old)
+    new_layers = layer_walk.layer_paths(new)
     if [type(layer) for _, layer in old_layers] != [
         type(layer) for _, layer in new_layers
     ]:
@@ -432,8 +433,8 @@ def _pairs_by_layer(old, new):
     ]
     pairs = []
     for old_layer, new_layer in layers:
-        old_own = {v.name: v for v in introspection.own_weights(old_layer)}
-        new_own = {v.name: v for v in introspection.own_weights(new_layer)}
+        old_own = {v.name: v for v in layer_walk.own_weights(old_layer)}
+        new_own = {v.name: v for v in layer_walk.own_weights(new_layer)}
         for name, target in new_own.items():
             if name in old_own:
                 pairs.append((old_own[name], target))
@@ -479,16 +480,6 @@ def _numpy_dtype(dtype):
 
         return ml_dtypes.bfloat16
     return np.dtype(dtype)
-
-
-def _leaf_layers(model):
-    layers = model._flatten_layers(include_self=False, recursive=True)
-    return [
-        layer
-        for layer in layers
-        if not isinstance(layer, keras.layers.InputLayer)
-        and not list(layer._flatten_layers(include_self=False))
-    ]
 
 
 def _as_rules(rules):

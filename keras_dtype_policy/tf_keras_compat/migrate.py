@@ -21,10 +21,10 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.policies.introspection import public_class_name
-from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import config_translation
 from keras_dtype_policy.tf_keras_compat import keras_files
@@ -154,8 +154,11 @@ def _override_policy(model, policy, changes, notes):
     except (TypeError, ValueError) as error:
         raise ModelFileError(f"--policy: {error}") from None
     keras_files.build_optimizer(new)
-    before = {layer.path: layer for layer in _all_layers(model)}
-    for layer in _all_layers(new):
+    before = {
+        layer.path: layer
+        for layer in layer_walk.all_layers(model, include_inputs=True)
+    }
+    for layer in layer_walk.all_layers(new, include_inputs=True):
         old = before.get(layer.path)
         if old is not None and old.dtype_policy != layer.dtype_policy:
             changes.append(
@@ -171,10 +174,6 @@ def _override_policy(model, policy, changes, notes):
             "the optimizer's state starts afresh"
         )
     return new
-
-
-def _all_layers(model):
-    return model._flatten_layers(include_self=False, recursive=True)
 
 
 def config_changes(source):
@@ -445,7 +444,9 @@ def _with_loaded_policy(change, model):
 def _find_layer(model, path):
     layer = model
     for name in path.split("/"):
-        found = [child for child in sublayers(layer) if child.name == name]
+        found = [
+            child for child in layer_walk.sublayers(layer) if child.name == name
+        ]
         if not found:
             return None
         layer = found[0]

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.policies import float8
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import load_override
@@ -213,7 +213,7 @@ def _audited_layers(copy, model):
         for layer, path in rules_application.zip_layer_paths(
             copy, model, "the audit's rows"
         )
-        if introspection.is_leaf(layer) or introspection.own_weights(layer)
+        if layer_walk.is_leaf(layer) or layer_walk.own_weights(layer)
     ]
 
 
@@ -307,9 +307,9 @@ def _layer_row(layer, path, dtype, ref, cand_out, gradients, scale, tolerance):
 
 def _audited_weights(layer):
     """A leaf's trainable weights; a container's own trainable ones."""
-    if introspection.is_leaf(layer):
+    if layer_walk.is_leaf(layer):
         return layer.trainable_weights
-    return [w for w in introspection.own_weights(layer) if w.trainable]
+    return [w for w in layer_walk.own_weights(layer) if w.trainable]
 
 
 def _flat(arrays):

@@ -10,9 +10,8 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
-from keras_dtype_policy.policies.introspection import own_weights
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies.introspection import public_class_name
-from keras_dtype_policy.policies.introspection import sublayers
 from keras_dtype_policy.tf_keras_compat import model_files
 from keras_dtype_policy.tools.tables import format_bytes
 from keras_dtype_policy.tools.tables import format_table
@@ -84,7 +83,8 @@ def build_report(path):
 
 
 def layer_rows(model):
-    """Returns one dict per layer, nested layers included, depth first.
+    """Returns one dict per layer, nested layers included, depth first, each
+    once (see `layer_walk.layer_paths`).
 
     Each has `path` (names joined by "/"), `class`, `policy` (its name),
     `policy_class`, `compute_dtype`, `variable_dtype`, and `params` and
@@ -92,29 +92,21 @@ def layer_rows(model):
     its sublayers, so that the rows add up to the model's total.
     """
     rows = []
-
-    def walk(layer, prefix):
-        for child in sublayers(layer):
-            path = f"{prefix}/{child.name}" if prefix else child.name
-            weights = own_weights(child)
-            policy = child.dtype_policy
-            rows.append(
-                {
-                    "path": path,
-                    "class": type(child).__name__,
-                    "policy": policy.name,
-                    "policy_class": public_class_name(policy),
-                    "compute_dtype": policy.compute_dtype,
-                    "variable_dtype": policy.variable_dtype,
-                    "params": sum(_size(w) for w in weights),
-                    "bytes": sum(
-                        _size(w) * dtype_bytes(w.dtype) for w in weights
-                    ),
-                }
-            )
-            walk(child, path)
-
-    walk(model, "")
+    for path, layer in layer_walk.layer_paths(model, include_inputs=True):
+        weights = layer_walk.own_weights(layer)
+        policy = layer.dtype_policy
+        rows.append(
+            {
+                "path": path,
+                "class": type(layer).__name__,
+                "policy": policy.name,
+                "policy_class": public_class_name(policy),
+                "compute_dtype": policy.compute_dtype,
+                "variable_dtype": policy.variable_dtype,
+                "params": sum(_size(w) for w in weights),
+                "bytes": sum(_size(w) * dtype_bytes(w.dtype) for w in weights),
+            }
+        )
     return rows
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.tools import layer_recorder
 from keras_dtype_policy.tools.float_tensors import float_tensors
 from keras_dtype_policy.tools.gradients import gradients
@@ -186,7 +186,7 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
     def record(path, layer, args, kwargs, result):
         records.append((path, layer, float_tensors(result)))
 
-    with layer_recorder.recording(introspection.layer_paths(model), record):
+    with layer_recorder.recording(layer_walk.layer_paths(model), record):
         model(x, training=False)
     for path, layer, outputs in records:
         found = _value_range(path, _compute_dtype(layer), outputs)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 
 keras_hub = pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (the `hub` extra)"
@@ -32,7 +32,7 @@ FLOAT8 = "float8_from_mixed_bfloat16"
 def float8_layers(model):
     return {
         path
-        for path, layer in introspection.layer_paths(model)
+        for path, layer in layer_walk.layer_paths(model)
         if layer.quantization_mode == "float8"
     }
 
@@ -58,11 +58,11 @@ def test_gpt2_trains_saves_and_reloads_under_a_float8_policy(tmp_path):
     found = float8_layers(task)
     classes = {
         type(layer).__name__
-        for path, layer in introspection.layer_paths(task)
+        for path, layer in layer_walk.layer_paths(task)
         if path in found
     }
     assert classes == {"Dense", "EinsumDense"}
-    for path, layer in introspection.layer_paths(task):
+    for path, layer in layer_walk.layer_paths(task):
         if path not in found:
             assert layer.compute_dtype in ("bfloat16", "float32"), path
             assert layer.quantization_mode is None, path

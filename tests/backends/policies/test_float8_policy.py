@@ -17,7 +17,7 @@ import pytest
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy.policies import float8
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.tf_keras_compat import migrate
 
 RNG = np.random.default_rng(0)
@@ -75,7 +75,7 @@ def nested_model():
 def policies(model):
     return {
         path: layer.dtype_policy.name
-        for path, layer in introspection.layer_paths(model)
+        for path, layer in layer_walk.layer_paths(model)
     }
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy.policies import introspection
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import rules_application
 
 RULES = kdp.PrecisionRules("mixed_float16").extend(
@@ -180,7 +180,7 @@ def _saved(model, folder):
 
 
 def kdp_paths(model):
-    return introspection.layer_paths(model)
+    return layer_walk.layer_paths(model)
 
 
 def test_rules_config_round_trip():
