@@ -16,45 +16,14 @@ TRAJECTORY_KEYS = ("step", "epoch", "loss_scale", "skipped", "loss")
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs the loss scale and the skipped steps; stops a stalled training.
 
-    At the end of every epoch it adds `loss_scale` (the current scale) and
-    `skipped_steps` (the optimizer's count of steps skipped for NaN or Inf
-    gradients, since it was created) to the epoch's logs, so they land in
-    the `History` that `fit` returns and, through
-    `keras.callbacks.TensorBoard`, in TensorBoard. Put this callback before
-    `TensorBoard` (and any other callback that reads the logs) in the
-    `callbacks` list: Keras calls them in that order.
-
-    With this package's `LossScaleOptimizer` it also says where a skipped
-    step overflowed. The epoch's logs get `nonfinite_gradient_variables`:
-    how many variables had a NaN or Inf gradient at some skipped step of the
-    epoch (logs hold numbers only; 0 for a clean epoch). Their paths are in
-    `skip_report` and in the summary (`summary()`) printed at the end of
-    `fit` when a step was skipped: per skipped step with per-step reading
-    (`step 12 skipped: non-finite gradients in dense_3/kernel,
-    dense_3/bias`), else per epoch, with how many skipped steps each
-    variable overflowed in.
-
-    A scale stuck at its floor skips every step, and training goes on
-    without learning and without a word. With `max_consecutive_skips=N` this
-    callback stops training (`model.stop_training = True`) after N skipped
-    steps in a row and says why.
-
-    It works with this package's `LossScaleOptimizer` and with Keras' own
-    `keras.optimizers.LossScaleOptimizer`, which does not count skipped
-    steps: with it, the logs hold `loss_scale` only, and a step is taken
-    as skipped when the optimizer's `iterations` did not advance. With any
-    other optimizer it warns once and logs nothing.
-
-    Per-step reading (`record_steps`, `max_consecutive_skips`, `plot_path`)
-    reads the optimizer after every step. On TensorFlow and PyTorch that is
-    a read of two variables. On JAX the training state lives outside the
-    model's variables during an epoch: reading it makes Keras copy the
-    state back into the variables after each step (as every callback that
-    reads `self.model` does), which costs a little time per step. Without
-    per-step reading the callback reads the state once per epoch, after
-    Keras' own copy, and leaves Keras free to run the other callbacks'
-    per-step work asynchronously. With `steps_per_execution` above 1 the
-    per-step reads happen once per execution.
+    Each epoch's logs get `loss_scale` and `skipped_steps` (and, with this
+    package's `LossScaleOptimizer`, `nonfinite_gradient_variables`; the
+    paths are in `skip_report` and `summary()`). Put it before
+    `keras.callbacks.TensorBoard` in `callbacks`. With Keras' own
+    `LossScaleOptimizer` it logs `loss_scale` and counts a step as skipped
+    when `iterations` did not advance; with any other optimizer it warns
+    once and logs nothing. Per-step reading costs a state copy per step on
+    JAX. See docs/telemetry.md.
 
     Args:
         record_steps: Whether to record, after every step, the loss scale,
@@ -70,20 +39,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
             nothing.
 
     Attributes:
-        trajectory: A dict of lists, one entry per recorded step (or per
-            execution): `step` (counted from 1 in each `fit`), `epoch`
-            (from 1), `loss_scale` (after the step), `skipped` (bool) and
-            `loss` (Keras' running mean over the epoch so far).
+        trajectory: A dict of lists, one entry per recorded step: `step`,
+            `epoch`, `loss_scale`, `skipped` and `loss`.
         stop_reason: None, or the message that explains why this callback
             stopped training.
-        skip_report: A list of dicts, one per skipped step found (with
-            per-step reading; with `steps_per_execution` above 1, one per
-            execution that skipped a step, naming its last skipped step's
-            variables) or else one per epoch with skipped steps: `epoch`,
-            `step` (None per epoch), `skipped` (steps) and `gradients` (a
-            dict: the path of each variable whose gradient was not finite,
-            and in how many of those skipped steps). Empty with an
-            optimizer that does not record it (Keras' own).
+        skip_report: A list of dicts, one per skipped step (per-step
+            reading) or per epoch with skips: `epoch`, `step`, `skipped` and
+            `gradients` (variable path: skipped steps it overflowed in).
 
     Example:
 
