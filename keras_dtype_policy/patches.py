@@ -4,6 +4,10 @@ Each patch replaces one attribute of a Keras class or module and says in one
 line why. `install()` applies them all once; `uninstall()` puts Keras' own
 attributes back, the very same objects. If a Keras release moves a patched
 attribute, `install()` raises instead of patching something else.
+
+`INSTANCE_PATCHES` lists the methods set on single objects rather than on a
+Keras class, each with its reason; `uninstall()` takes them off every object
+that holds them, and `install()` does not set them again.
 """
 
 import dataclasses
@@ -22,7 +26,7 @@ from keras.src.saving import saving_lib
 from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
-from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bfloat16_weights
@@ -115,8 +119,14 @@ PATCHES = (
     Patch(
         legacy_h5_format,
         "load_model_from_hdf5",
-        optimizer_state.make_h5_model_loader,
+        state_arrival.make_h5_model_loader,
         "Keep .h5 optimizer state past the loader's empty placeholder build.",
+    ),
+    Patch(
+        saving_lib,
+        "load_weights_only",
+        state_arrival.make_weights_loader,
+        "Let load_weights restore optimizer state the way load_model does.",
     ),
     Patch(
         KerasLossScaleOptimizer,
@@ -142,6 +152,31 @@ PATCHES = (
         "__getitem__",
         bfloat16_weights.make_h5_store_getitem,
         "Read the bfloat16 weights tf.keras wrote into .keras as bfloat16.",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstancePatch:
+    """Methods set on single objects, not on a Keras class.
+
+    `undo` takes them off every object that holds them.
+    """
+
+    objects: str
+    attributes: tuple
+    undo: object
+    why: str
+
+
+INSTANCE_PATCHES = (
+    InstancePatch(
+        "optimizer instances that saved state is loaded into, and the inner "
+        "optimizer of this package's LossScaleOptimizer",
+        state_arrival.TAUGHT_METHODS,
+        state_arrival.forget_taught,
+        "Read tf.keras 2 optimizer state, keep state loaded before the "
+        "first build, and skip state that does not fit, naming both layouts.",
     ),
 )
 
@@ -182,10 +217,16 @@ def install():
 
 
 def uninstall():
-    """Restores Keras' own attributes; a second call changes nothing."""
+    """Restores Keras' own attributes; a second call changes nothing.
+
+    The instance patches come off every object that holds them (see
+    `INSTANCE_PATCHES`).
+    """
     for owner, attribute, original, _ in reversed(list(_installed.values())):
         setattr(owner, attribute, original)
     _installed.clear()
+    for patch in INSTANCE_PATCHES:
+        patch.undo()
 
 
 def is_installed():

@@ -6,7 +6,7 @@ import warnings
 
 import keras
 
-from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
@@ -156,7 +156,8 @@ def wrap_low_precision(optimizer, update, weight_dtype):
 
 def _choose_loss_scaling(model, optimizer):
     """`choose_optimizers` for an optimizer that is not loss-scaled yet."""
-    optimizer_state.teach_tf_keras_layout(optimizer)
+    if state_arrival.state_may_arrive():
+        state_arrival.teach_tf_keras_layout(optimizer)
     loss_scale = loss_scale_for_model(model)
     from_policy = _policy_loss_scale(model) is not _UNSPECIFIED
     factor = getattr(optimizer, "loss_scale_factor", None)

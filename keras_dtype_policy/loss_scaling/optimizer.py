@@ -9,8 +9,8 @@ from keras import ops
 from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
 from keras_dtype_policy.loss_scaling import lso_arguments
-from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.loss_scaling import scale_rule
+from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.backend_utils import is_concrete
@@ -95,7 +95,7 @@ class LossScaleOptimizer(
             name=name,
             **kwargs,
         )
-        optimizer_state.teach_tf_keras_layout(inner_optimizer)
+        state_arrival.teach_tf_keras_layout(inner_optimizer)
         self._make_records()
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
         self._reset_loop_record()
@@ -103,7 +103,7 @@ class LossScaleOptimizer(
             setattr(self, key, value)
 
     def build(self, var_list):
-        if optimizer_state.defers_build(var_list):
+        if state_arrival.defers_build(var_list):
             return
         self._reading_own_settings = True
         try:

@@ -9,18 +9,11 @@ tf.keras files hold no loss-scale state (neither the current scale nor its
 counter), so a `LossScaleOptimizer` restored from one starts from its
 initial scale.
 
-Keras' .h5 loader builds a loaded model's optimizer with the model's own
-variable list, which is empty for Sequential and Functional models, and then
-sets its saved weights. While an .h5 model file loads, an empty build is
-therefore put off until the optimizer is built for real, and the saved
-values with it. Everywhere else an empty build is a real one: a model with
-no trainable weights trains as it does in Keras alone.
+Which optimizers read saved state this way, and when, is
+`state_arrival`'s concern.
 """
 
 import contextlib
-import contextvars
-import functools
-import types
 import warnings
 
 import keras
@@ -329,105 +322,9 @@ def warn_mismatch(optimizer, values):
     )
 
 
-_loading_h5_model = contextvars.ContextVar(
-    "keras_dtype_policy_loading_h5_model", default=False
-)
-
-
-def make_h5_model_loader(original_loader):
-    """Returns Keras' .h5 model loader, marking the time it runs.
-
-    Args:
-        original_loader: Keras' own `load_model_from_hdf5`.
-
-    Returns:
-        A function with the same signature.
-    """
-
-    @functools.wraps(original_loader)
-    def load_model_from_hdf5(*args, **kwargs):
-        with _marked(_loading_h5_model):
-            return original_loader(*args, **kwargs)
-
-    return load_model_from_hdf5
-
-
-def defers_build(var_list):
-    """Returns True if a build with `var_list` waits for the real one.
-
-    Only while Keras' .h5 loader runs, and only for an empty list: that is
-    the loader's placeholder build, before it sets the saved values.
-    """
-    return not var_list and _loading_h5_model.get()
-
-
-@contextlib.contextmanager
-def _marked(flag):
-    token = flag.set(True)
-    try:
-        yield
-    finally:
-        flag.reset(token)
-
-
 def store_values(store):
     """Returns the arrays of a Keras weights store in saved order."""
     return [store[str(i)] for i in range(len(store.keys()))]
-
-
-def teach_tf_keras_layout(optimizer):
-    """Makes one optimizer also read state in the tf.keras 2 layout.
-
-    Its `load_own_variables` (used by `keras.saving.load_model` for .keras
-    files) and `set_weights` (used for .h5 files) accept the tf.keras 2
-    layout besides their own. The .h5 loader's placeholder build is put off
-    until the optimizer is built for real (see `defers_build`), and the
-    saved weights with it (the iteration count is set at once). State loaded
-    into an optimizer not built yet (`load_weights` or BackupAndRestore
-    before the first step, or a keras-hub task's fresh optimizer, where
-    Keras alone drops it with a warning) also waits for the build.
-
-    Saved values are checked against the optimizer before anything is
-    assigned (see `assign_optimizer_values`). Values that fit none of its
-    layouts, saved by another optimizer or for another model, are skipped
-    as Keras skips them: `load_own_variables` and the build warn (naming
-    both layouts) and the optimizer keeps its fresh state, while
-    `set_weights`, called directly, raises `OptimizerStateMismatch` (a
-    `ValueError`, as Keras' own), having assigned nothing.
-
-    Args:
-        optimizer: A `keras.optimizers.Optimizer`.
-    """
-    if getattr(optimizer, "_reads_tf_keras_layout", False):
-        return
-    optimizer._reads_tf_keras_layout = True
-    optimizer_class = type(optimizer)
-
-    def build(self, var_list):
-        if defers_build(var_list):
-            return
-        optimizer_class.build(self, var_list)
-        apply_pending_values(self, self)
-
-    def load_own_variables(self, store):
-        values = store_values(store)
-        if not values:
-            optimizer_class.load_own_variables(self, store)
-        elif not self.built:
-            # `load_weights` before the first step: kept for the build.
-            keep_pending_values(self, values)
-        elif not assign_optimizer_values(self, values):
-            warn_mismatch(self, values)
-
-    def set_weights(self, weights):
-        weights = list(weights)
-        if not self.built:
-            keep_pending_values(self, weights)
-        elif not assign_optimizer_values(self, weights):
-            raise mismatch(self, weights)
-
-    for method in (build, load_own_variables, set_weights):
-        setattr(optimizer, method.__name__, types.MethodType(method, optimizer))
 
 
 class _NamedArray(np.ndarray):

@@ -4,6 +4,7 @@ import json
 
 import keras
 
+from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.tf_keras_compat import config_translation
 
 
@@ -45,13 +46,18 @@ def model_from_json(json_string, custom_objects=None):
 
 
 def make_model_from_config_json(original):
-    """Wraps saving_lib's `_model_from_config` (the .keras loader)."""
+    """Wraps saving_lib's `_model_from_config` (the .keras loader).
+
+    Keras compiles the model inside it (`compile_from_config`), then loads
+    the saved state: the optimizer is compiled where state may arrive.
+    """
 
     def model_from_config_json(config_json, *args, **kwargs):
         config = config_translation.translate_model_config(
             json.loads(config_json)
         )
-        return original(json.dumps(config), *args, **kwargs)
+        with state_arrival.loading_saved_state():
+            return original(json.dumps(config), *args, **kwargs)
 
     model_from_config_json.__wrapped__ = original
     return model_from_config_json

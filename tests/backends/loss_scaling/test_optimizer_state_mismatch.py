@@ -5,8 +5,14 @@ into (another class, another model) trains as with Keras alone: one
 warning that names both layouts, fresh slots, nothing partly assigned.
 State that fits is restored exactly. The expectations are the same on
 every backend.
+
+The package's rules apply to an optimizer that saved state is loaded into
+(by `load_model` or `load_weights`); an optimizer compiled and never loaded
+into keeps Keras' own `set_weights` (see test_instance_patches.py).
 """
 
+import pathlib
+import tempfile
 import warnings
 
 import h5py
@@ -71,12 +77,17 @@ def assert_same_weights(model, reference):
         np.testing.assert_array_equal(ours, theirs)
 
 
-def built_in_a_model(optimizer):
-    """`optimizer` as `compile` leaves it (the package's loading rules
-    apply to the optimizers models train with), built."""
+def loaded_in_a_model(optimizer):
+    """`optimizer`, built, as a model leaves it once saved state has been
+    loaded into it (the package's loading rules apply where saved state
+    arrives): here, the model's own weights through `load_weights`."""
     model = new_model()
     model.compile(optimizer=optimizer, loss="mse")
     model.optimizer.build(model.trainable_variables)
+    with tempfile.TemporaryDirectory() as directory:
+        path = pathlib.Path(directory) / "own.weights.h5"
+        model.save_weights(path)
+        model.load_weights(path)
     return model.optimizer
 
 
@@ -199,7 +210,7 @@ def test_set_weights_that_do_not_fit_raise_and_assign_nothing(wrapped):
     optimizer = keras.optimizers.RMSprop(momentum=0.5)
     if wrapped:
         optimizer = kdp.LossScaleOptimizer(optimizer)
-    optimizer = built_in_a_model(optimizer)
+    optimizer = loaded_in_a_model(optimizer)
     before = optimizer_values(optimizer)
     with pytest.raises(ValueError, match="The saved optimizer has") as error:
         optimizer.set_weights(values)
@@ -213,7 +224,7 @@ def test_values_of_the_wrong_dtype_do_not_fit():
     values = optimizer_values(model.optimizer)
     # The step count saved as a float: right shapes, wrong kind of dtype.
     values[0] = values[0].astype("float32")
-    optimizer = built_in_a_model(keras.optimizers.SGD(momentum=0.9))
+    optimizer = loaded_in_a_model(keras.optimizers.SGD(momentum=0.9))
     with pytest.raises(OptimizerStateMismatch, match="float32"):
         optimizer.set_weights(values)
 
@@ -237,7 +248,7 @@ def test_a_built_optimizer_skips_a_store_that_does_not_fit(wrapped):
                 + list(store.values())
             )
         }
-    optimizer = built_in_a_model(optimizer)
+    optimizer = loaded_in_a_model(optimizer)
     before = optimizer_values(optimizer)
     with pytest.warns(UserWarning, match=SKIPPING):
         optimizer.load_own_variables(store)
@@ -251,8 +262,8 @@ def test_names_in_an_h5_file_tell_optimizers_of_one_layout_apart(tmp_path):
     model = trained_with(keras.optimizers.SGD(momentum=0.9))
     path = tmp_path / "sgd.h5"
     legacy_h5_format.save_model_to_hdf5(model, str(path))
-    rmsprop = built_in_a_model(keras.optimizers.RMSprop())
-    sgd = built_in_a_model(keras.optimizers.SGD(momentum=0.9))
+    rmsprop = loaded_in_a_model(keras.optimizers.RMSprop())
+    sgd = loaded_in_a_model(keras.optimizers.SGD(momentum=0.9))
     with h5py.File(path, "r") as file:
         saved = legacy_h5_format.load_optimizer_weights_from_hdf5_group(file)
         with pytest.raises(OptimizerStateMismatch, match="momentum"):

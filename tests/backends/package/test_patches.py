@@ -61,6 +61,12 @@ EXPECTED_PARAMETERS = {
         "compile",
         "safe_mode",
     ],
+    "keras.src.saving.saving_lib.load_weights_only": [
+        "model",
+        "filepath",
+        "skip_mismatch",
+        "objects_to_skip",
+    ],
     "keras.src.layers.layer.Layer.__init__": [
         "self",
         "activity_regularizer",
