@@ -31,6 +31,7 @@ if _backend_error is None:
     from keras_dtype_policy.policies.global_policy import dtype_policy
     from keras_dtype_policy.policies.global_policy import policy_scope
     from keras_dtype_policy.policies.global_policy import set_dtype_policy
+    from keras_dtype_policy.policies.global_policy import set_global_policy
     from keras_dtype_policy.policies.hardware import SlowFloat16Warning
     from keras_dtype_policy.policies.policy import DTypePolicy
     from keras_dtype_policy.policies.precision_rules import PrecisionRule
@@ -45,11 +46,11 @@ if _backend_error is None:
     from keras_dtype_policy.tools.lost_updates import lost_updates
     from keras_dtype_policy.tools.nonfinite import find_nonfinite
 
-    # Aliases: one object, several names. Keras 3's own aliases first:
-    # `keras.mixed_precision.global_policy` and `set_global_policy` are
-    # `keras.config.dtype_policy` and `set_dtype_policy`.
+    # Aliases: one object, several names. Keras 3's own alias first:
+    # `keras.mixed_precision.global_policy` is `keras.config.dtype_policy`.
+    # (`set_global_policy` is `set_dtype_policy` that also takes None, as
+    # tf.keras' did; Keras' own `set_dtype_policy` refuses None.)
     global_policy = dtype_policy
-    set_global_policy = set_dtype_policy
     # TensorFlow 2.3's names, kept at the top level for the code that used
     # them there: the objects of `keras_dtype_policy.experimental`.
     Policy = experimental.Policy

@@ -56,13 +56,10 @@ def set_dtype_policy(policy):
 
     This sets Keras' own global policy, so it holds for every layer built
     afterwards in this thread, as `keras.config.set_dtype_policy` does.
-    `keras_dtype_policy.set_global_policy` is this function, as
-    `keras.mixed_precision.set_global_policy` is Keras' own.
 
     Args:
         policy: A policy name, such as `"mixed_float16"` (tf.keras' infer
-            names included), a `keras.DTypePolicy` instance, or None, which
-            restores the default float policy (`keras.config.floatx()`).
+            names included), or a `keras.DTypePolicy` instance.
 
     Example:
 
@@ -71,10 +68,34 @@ def set_dtype_policy(policy):
     <DTypePolicy "mixed_float16">
     >>> keras_dtype_policy.set_dtype_policy("float32")
     """
+    _set_global(policy, stacklevel=4)
+
+
+def set_global_policy(policy):
+    """Sets the global dtype policy; None restores the default.
+
+    `set_dtype_policy` under the name of `keras.mixed_precision` (and of
+    tf.keras), which also takes None, as tf.keras' did: the default float
+    policy (`keras.config.floatx()`) comes back.
+
+    Args:
+        policy: A policy name, a `keras.DTypePolicy` instance, or None.
+
+    Example:
+
+    >>> keras_dtype_policy.set_global_policy("mixed_bfloat16")
+    >>> keras_dtype_policy.set_global_policy(None)
+    >>> keras_dtype_policy.dtype_policy()
+    <DTypePolicy "float32">
+    """
     if policy is None:
         policy = keras.config.floatx()
+    _set_global(policy, stacklevel=4)
+
+
+def _set_global(policy, stacklevel):
     policy = as_policy(policy)
-    hardware.warn_if_float16_is_slow(policy)
+    hardware.warn_if_float16_is_slow(policy, stacklevel=stacklevel)
     keras.config.set_dtype_policy(_as_keras_global(policy))
 
 

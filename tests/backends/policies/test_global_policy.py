@@ -39,10 +39,13 @@ def test_reads_what_keras_set():
 
 
 def test_none_restores_the_default_float_policy():
-    # Beyond Keras (whose setter refuses None): the top level's
-    # set_global_policy is set_dtype_policy, and took None before.
+    # set_dtype_policy refuses None, as Keras' does; set_global_policy, the
+    # tf.keras spelling, takes it, as tf.keras' did.
     kdp.set_dtype_policy("mixed_bfloat16")
-    kdp.set_dtype_policy(None)
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
+        kdp.set_dtype_policy(None)
+    assert kdp.dtype_policy().name == "mixed_bfloat16"
+    kdp.set_global_policy(None)
     assert kdp.dtype_policy().name == keras.config.floatx()
     assert type(kdp.dtype_policy()) is kdp.DTypePolicy
     with pytest.raises(ValueError, match="Invalid `policy` argument"):
