@@ -197,6 +197,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         with keras.name_scope(inner.name, caller=inner):
             grads = inner_step.summed_across_replicas([g for g, _ in pairs])
+            # The inner arithmetic runs in float32, clipping included.
+            views = self._targets.views
+            grads = [
+                ops.cast(g, "float32") if id(v) in views else g
+                for g, (_, v) in zip(grads, pairs, strict=True)
+            ]
             scale = inner.loss_scale_factor
             if scale is not None:
                 grads = [g / scale for g in grads]

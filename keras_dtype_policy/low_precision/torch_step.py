@@ -11,7 +11,10 @@ result back rounded, with batched operations. Groups hold at most
 `GROUP_ELEMENTS` elements, so the float32 working copies never exceed a
 bounded size whatever the model, and each lives only for its group.
 
-Used for Keras' torch Adam, AdamW, Adamax, Adagrad, Adadelta, Lion,
+Adam and AdamW go through torch's fused Adam kernel (one pass over
+weights, gradients and moments, where Keras' own torch Adam makes ten),
+the others through their own `_parallel_update_step`. Used for Keras'
+torch Adam, AdamW, Adamax, Adagrad, Adadelta, Lion,
 RMSprop and SGD, exactly those classes (a subclass may change the
 update). Nadam (its step also updates a shared product, which groups
 would repeat), optimizers with gradient accumulation or an average of
@@ -93,14 +96,16 @@ def _update_group(wrapper, inner, targets, slots, group, learning_rate):
             if isinstance(target, Float32View):
                 target.working = _read_float32(target)
                 views.append(target)
-                grad = grad.float()
             for slot in slots.get(id(variable), ()):
                 widened.append((slot, slot._value))
                 slot._value = slot._value.float()
             grads.append(grad)
             order.append(target)
         inner._apply_weight_decay(order)
-        inner._parallel_update_step(grads, order, learning_rate)
+        if _has_fused_adam(inner):
+            _fused_adam(inner, grads, order, learning_rate)
+        else:
+            inner._parallel_update_step(grads, order, learning_rate)
         _write_weights(wrapper, views)
         for slot, stored in widened:
             if wrapper.update == "nearest":
@@ -112,6 +117,51 @@ def _update_group(wrapper, inner, targets, slots, group, learning_rate):
             view.working = None
         for slot, stored in widened:
             slot._value = stored
+
+
+def _has_fused_adam(inner):
+    import torch
+
+    return type(inner).__name__ in ("Adam", "AdamW") and hasattr(
+        torch, "_fused_adam_"
+    )
+
+
+def _fused_adam(inner, grads, order, learning_rate):
+    """Keras' Adam update in one pass: torch's fused Adam kernel.
+
+    torch adds epsilon to the bias-corrected square root, Keras to the
+    uncorrected one; an epsilon divided by `sqrt(1 - beta_2**t)` makes
+    torch's update Keras' own. Weight decay is applied before, as Keras
+    does, so the kernel gets none.
+    """
+    import torch
+
+    def slots(name):
+        held = getattr(inner, name)
+        return [held[inner._get_variable_index(t)].value for t in order]
+
+    step = float(inner.iterations.numpy()) + 1.0
+    correction = (1.0 - float(inner.beta_2) ** step) ** 0.5
+    device = grads[0].device
+    steps = [torch.tensor(step, dtype=torch.float32, device=device)] * len(
+        order
+    )
+    torch._fused_adam_(
+        [t.value for t in order],
+        list(grads),
+        slots("_momentums"),
+        slots("_velocities"),
+        slots("_velocity_hats") if inner.amsgrad else [],
+        steps,
+        amsgrad=bool(inner.amsgrad),
+        lr=float(learning_rate),
+        beta1=float(inner.beta_1),
+        beta2=float(inner.beta_2),
+        weight_decay=0.0,
+        eps=float(inner.epsilon) / correction,
+        maximize=False,
+    )
 
 
 def _read_float32(view):
@@ -163,12 +213,25 @@ def store_rounded(stored, working, seed):
             compensated_updates.stochastic_round(working, stored.dtype, seed)
         )
         return
-    noise = random_bits.torch_noise(
-        working.shape, 16, seed, device=working.device
-    )
-    noise.add_(working.view(torch.int32))
-    high_halves = noise.reshape(-1).view(torch.int16)[1::2]
-    stored.view(torch.int16).view(-1).copy_(high_halves)
+    key, device = random_bits.torch_key(seed, working.device)
+    if device.type == "cpu":
+        noise = random_bits.numpy_noise((working.numel(),), 16, key)
+        summed = torch.from_numpy(
+            working.reshape(-1).view(torch.int32).numpy() + noise
+        )
+    else:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(key)
+        summed = torch.randint(
+            0,
+            2**16,
+            (working.numel(),),
+            dtype=torch.int32,
+            generator=generator,
+            device=device,
+        )
+        summed.add_(working.reshape(-1).view(torch.int32))
+    stored.view(torch.int16).view(-1).copy_(summed.view(torch.int16)[1::2])
 
 
 def _elements(variable):
