@@ -13,6 +13,7 @@ BENCHMARKS = (
     "audit",
     "scaling_cost",
     "low_precision",
+    "low_precision_speed",
     "float8",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
