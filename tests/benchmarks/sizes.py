@@ -14,6 +14,7 @@ BENCHMARKS = (
     "scaling_cost",
     "low_precision",
     "float8",
+    "hub_quality",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
