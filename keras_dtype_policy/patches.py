@@ -13,6 +13,7 @@ that holds them, and `install()` does not set them again.
 import dataclasses
 import types
 
+import keras
 from keras.src import dtype_policies
 from keras.src.layers.layer import Layer
 from keras.src.legacy.saving import legacy_h5_format
@@ -27,7 +28,9 @@ from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
 from keras_dtype_policy.loss_scaling import state_arrival
+from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import keras_internals
+from keras_dtype_policy.policies import keras_lookups
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import bfloat16_weights
 from keras_dtype_policy.tf_keras_compat import bridge as tf_keras_bridge
@@ -152,6 +155,38 @@ PATCHES = (
         "__getitem__",
         bfloat16_weights.make_h5_store_getitem,
         "Read the bfloat16 weights tf.keras wrote into .keras as bfloat16.",
+    ),
+    Patch(
+        Layer,
+        "dtype_policy",
+        float8.make_dtype_policy_property,
+        "Give a model whose float8 layers already train in float8 the "
+        "float8 policy's source when it is set, not a second quantize.",
+    ),
+    Patch(
+        keras.dtype_policies,
+        "get",
+        keras_lookups.make_get,
+        "Public name of dtype_policies.get, which keras-hub calls: "
+        "know this package's names ('kahan_bfloat16').",
+    ),
+    Patch(
+        keras.config,
+        "set_dtype_policy",
+        keras_lookups.make_set_dtype_policy,
+        "Public name of set_dtype_policy: take this package's names.",
+    ),
+    Patch(
+        keras.mixed_precision,
+        "set_dtype_policy",
+        keras_lookups.make_set_dtype_policy,
+        "Legacy name of set_dtype_policy: take this package's names.",
+    ),
+    Patch(
+        keras.mixed_precision,
+        "set_global_policy",
+        keras_lookups.make_set_dtype_policy,
+        "Legacy name of set_dtype_policy: take this package's names.",
     ),
 )
 

@@ -12,13 +12,16 @@ and under `jit` (JAX), `tf.function` (XLA too) and torch alike:
   instead of being rounded away.
 - `stochastic_round`: rounds up or down at random, with the probability
   that makes the result equal to the value on average (unbiased), so small
-  updates survive in expectation with no extra buffer. The random bits come
-  from a `keras.random.SeedGenerator`, whose state is a variable: seeded,
-  the sequence is reproducible and is saved with the optimizer.
+  updates survive in expectation with no extra buffer. The random bits
+  (`random_bits`) hash each element's index with a key drawn from a
+  `keras.random.SeedGenerator`, whose state is a variable: seeded, the
+  sequence is reproducible and is saved with the optimizer.
 """
 
 import keras
 from keras import ops
+
+from keras_dtype_policy.low_precision import random_bits
 
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 
@@ -52,8 +55,8 @@ def stochastic_round(value, dtype, seed):
     Args:
         value: A float32 tensor (other floating tensors are cast first).
         dtype: `"bfloat16"` or `"float16"`.
-        seed: A `keras.random.SeedGenerator` (or anything
-            `keras.random.randint` accepts as `seed`).
+        seed: A `keras.random.SeedGenerator` (advanced by one), or an
+            int.
 
     Returns:
         A tensor of `dtype`.
@@ -66,9 +69,7 @@ def stochastic_round(value, dtype, seed):
         )
     value = ops.cast(value, "float32")
     dropped = _DROPPED_BITS[dtype]
-    noise = keras.random.randint(
-        ops.shape(value), 0, 2**dropped, dtype="int32", seed=seed
-    )
+    noise = random_bits.rounding_noise(ops.shape(value), dropped, seed)
     bits = ops.view(value, "int32")
     kept = ops.bitwise_and(ops.add(bits, noise), -(2**dropped))
     rounded = ops.view(kept, "float32")

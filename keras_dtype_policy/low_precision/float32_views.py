@@ -36,6 +36,8 @@ class Float32View(keras.Variable):
         self.compensation = compensation
         self.slot_dtype = slot_dtype
         self._building = False
+        # The float32 tensor a batched step updates in place, or None.
+        self.working = None
         # While its own scalar is made, the view has the scalar's shape (a
         # distribution lays the scalar out by it).
         self._making_storage = True
@@ -51,6 +53,8 @@ class Float32View(keras.Variable):
 
     @property
     def value(self):
+        if self.working is not None:
+            return self.working
         if self._building:
             return self.weight.value
         if self.compensation is not None:

@@ -8,6 +8,8 @@ from keras import ops
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import inner_step
+from keras_dtype_policy.low_precision import tensorflow_step
+from keras_dtype_policy.low_precision import torch_step
 from keras_dtype_policy.low_precision.float32_views import Float32View
 from keras_dtype_policy.low_precision.float32_views import route_writes
 from keras_dtype_policy.policies.registration import register
@@ -178,6 +180,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
             with torch.no_grad():
                 return self._apply(grads, trainable_variables)
+        if tensorflow_step.can_compile(self):
+            return tensorflow_step.compiled_apply(
+                self, grads, trainable_variables
+            )
         return self._apply(grads, trainable_variables)
 
     def _apply(self, grads, trainable_variables):
@@ -191,6 +197,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         with keras.name_scope(inner.name, caller=inner):
             grads = inner_step.summed_across_replicas([g for g, _ in pairs])
+            # The inner arithmetic runs in float32, clipping included.
+            views = self._targets.views
+            grads = [
+                ops.cast(g, "float32") if id(v) in views else g
+                for g, (_, v) in zip(grads, pairs, strict=True)
+            ]
             scale = inner.loss_scale_factor
             if scale is not None:
                 grads = [g / scale for g in grads]
@@ -198,26 +210,51 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             learning_rate = inner.learning_rate
             inner_step.advance_step_state(inner)
             variables = [v for _, v in pairs]
-            for grad, variable in zip(grads, variables, strict=True):
-                if getattr(variable, "overwrite_with_gradient", False):
-                    variable.assign(grad)
-                    continue
-                target = self._targets.views.get(id(variable), variable)
-                if inner.weight_decay is not None and inner._use_weight_decay(
-                    variable
-                ):
-                    decay = ops.multiply(
-                        ops.cast(inner.weight_decay, target.dtype),
-                        ops.cast(learning_rate, target.dtype),
-                    )
-                    value = ops.convert_to_tensor(target)
-                    target.assign(value - value * decay)
-                inner.update_step(grad, target, learning_rate)
-                if variable.constraint is not None:
-                    target.assign(
-                        variable.constraint(ops.convert_to_tensor(target))
-                    )
+            if torch_step.can_batch(self):
+                self._batched_updates(grads, variables, learning_rate)
+            else:
+                self._updates(grads, variables, learning_rate)
             inner._iterations.assign_add(1)
+
+    def _updates(self, grads, variables, learning_rate):
+        """The inner optimizer's `update_step`, one variable at a time."""
+        inner = self.inner_optimizer
+        for grad, variable in zip(grads, variables, strict=True):
+            if getattr(variable, "overwrite_with_gradient", False):
+                variable.assign(grad)
+                continue
+            target = self._targets.views.get(id(variable), variable)
+            if inner.weight_decay is not None and inner._use_weight_decay(
+                variable
+            ):
+                decay = ops.multiply(
+                    ops.cast(inner.weight_decay, target.dtype),
+                    ops.cast(learning_rate, target.dtype),
+                )
+                value = ops.convert_to_tensor(target)
+                target.assign(value - value * decay)
+            inner.update_step(grad, target, learning_rate)
+            if variable.constraint is not None:
+                target.assign(
+                    variable.constraint(ops.convert_to_tensor(target))
+                )
+
+    def _batched_updates(self, grads, variables, learning_rate):
+        """All variables' updates as batched torch operations."""
+        batched_grads, batched = [], []
+        for grad, variable in zip(grads, variables, strict=True):
+            if getattr(variable, "overwrite_with_gradient", False):
+                variable.assign(grad)
+            else:
+                batched_grads.append(grad)
+                batched.append(variable)
+        torch_step.batched_apply(self, batched_grads, batched, learning_rate)
+        for variable in batched:
+            if variable.constraint is not None:
+                target = self._targets.views.get(id(variable), variable)
+                target.assign(
+                    variable.constraint(ops.convert_to_tensor(target))
+                )
 
     def _write(self, view, value):
         """Writes a float32 result into the weight behind `view`."""
@@ -238,15 +275,17 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def _write_slot(self, slot, value):
         """Writes a float32 result into a low-precision optimizer slot."""
+        slot.assign(self._rounded_slot_value(value, slot))
+
+    def _rounded_slot_value(self, value, slot):
+        """Returns float32 `value` rounded to a slot's dtype: to nearest
+        for `update="nearest"`, else stochastically."""
         value = ops.cast(value, "float32")
         if self._update == "nearest":
-            slot.assign(ops.cast(value, slot.dtype))
-        else:
-            slot.assign(
-                compensated_updates.stochastic_round(
-                    value, slot.dtype, self.seed_generator
-                )
-            )
+            return ops.cast(value, slot.dtype)
+        return compensated_updates.stochastic_round(
+            value, slot.dtype, self.seed_generator
+        )
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)

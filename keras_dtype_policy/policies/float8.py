@@ -15,6 +15,7 @@ policy: every new layer is settled so (the `Layer.__init__` patch calls
 import keras
 
 from keras_dtype_policy.policies import keras_internals
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.policies.registration import register
 
@@ -235,3 +236,57 @@ def settle_layer_policy(layer):
                 amax_history_length=chosen.amax_history_length,
             )
         layer._dtype_policy = chosen
+
+
+def settled_policy_value(layer, value):
+    """Returns what `layer.dtype_policy = value` should set.
+
+    Keras' setter quantizes a built layer given a quantized policy; a model
+    whose float8 layers were made under that float8 policy would fail with
+    "already quantized". Such a model (built, not quantized itself, with
+    float8 layers and no layer quantized otherwise) gets the
+    `Float8SourcePolicy` instead, as `Layer.__init__` gives it; any other
+    `value` is returned as it is, for Keras' setter.
+
+    Args:
+        layer: The layer whose policy is set.
+        value: What was assigned: a policy or a name.
+    """
+    if not (is_float8_policy(value) or is_float8_name(value)):
+        return value
+    if trains_in_float8(layer) or not getattr(layer, "built", False):
+        return value
+    if getattr(layer, "_is_quantized", False):
+        return value
+    modes = {
+        sublayer.quantization_mode
+        for sublayer in layer_walk.all_layers(layer)
+        if getattr(sublayer, "_is_quantized", False)
+    }
+    if modes != {FLOAT8_MODE}:
+        return value
+    policy = (
+        value if is_float8_policy(value) else keras.dtype_policies.get(value)
+    )
+    return source_for(policy)
+
+
+def make_dtype_policy_property(original):
+    """Returns `Layer.dtype_policy` whose setter goes through
+    `settled_policy_value`.
+
+    Args:
+        original: Keras' own `Layer.dtype_policy` property.
+
+    Returns:
+        A property with Keras' getter and deleter.
+    """
+    setter = original.fset
+
+    def set_dtype_policy(self, value):
+        setter(self, settled_policy_value(self, value))
+
+    set_dtype_policy.__wrapped__ = setter
+    return property(
+        original.fget, set_dtype_policy, original.fdel, original.__doc__
+    )

@@ -1,5 +1,6 @@
 """The Keras patches: where they sit, install(), uninstall()."""
 
+import importlib
 import inspect
 import pathlib
 
@@ -86,6 +87,29 @@ EXPECTED_PARAMETERS = {
     "keras.src.saving.saving_lib.H5IOStore.__getitem__": ["self", "key"],
     "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"
     ".from_config": ["cls", "config", "custom_objects"],
+    # A property: its setter's parameters.
+    "keras.src.layers.layer.Layer.dtype_policy": ["self", "value"],
+    "keras.dtype_policies.get": ["identifier"],
+    "keras.config.set_dtype_policy": ["policy"],
+    "keras.mixed_precision.set_dtype_policy": ["policy"],
+    "keras.mixed_precision.set_global_policy": ["policy"],
+}
+# The public names that Keras binds to its own functions, each patched on
+# its module (tf.keras' `config`, `dtype_policies` and `mixed_precision`
+# are these modules): a Keras release that binds another function there
+# fails here.
+PUBLIC_NAMES = {
+    "keras.dtype_policies.get": "keras.src.dtype_policies.get",
+    **{
+        f"{module}.{name}": "keras.src.dtype_policies.dtype_policy"
+        ".set_dtype_policy"
+        for module in (
+            "keras.config",
+            "keras.mixed_precision",
+        )
+        for name in ("set_dtype_policy", "set_global_policy")
+        if not (module.endswith("config") and name == "set_global_policy")
+    },
 }
 TARGETS = set(EXPECTED_PARAMETERS)
 
@@ -93,9 +117,21 @@ TARGETS = set(EXPECTED_PARAMETERS)
 @pytest.mark.parametrize("target", sorted(EXPECTED_PARAMETERS))
 def test_keras_still_defines_what_the_patches_replace(target):
     original = patches.installed_patches()[target][0]
+    if isinstance(original, property):
+        original = original.fset
     function = getattr(original, "__func__", original)
     parameters = list(inspect.signature(function).parameters)
     assert parameters == EXPECTED_PARAMETERS[target]
+
+
+@pytest.mark.parametrize("target", sorted(PUBLIC_NAMES))
+def test_public_names_are_keras_own_functions(target):
+    original = patches.installed_patches()[target][0]
+    module_name, _, name = PUBLIC_NAMES[target].rpartition(".")
+    defining = importlib.import_module(module_name)
+    keras_own = patches.installed_patches().get(PUBLIC_NAMES[target])
+    expected = keras_own[0] if keras_own else vars(defining)[name]
+    assert original is expected
 
 
 def test_the_docs_list_every_patch():

@@ -1,0 +1,132 @@
+"""The fused low-precision step: the same results as the general path.
+
+`LowPrecisionOptimizer` runs its step as one XLA computation on
+TensorFlow (`tensorflow_step`) and as batched `torch._foreach` updates on
+torch (`torch_step`); on JAX, `fit` compiles the whole step already. Each
+fused path must give what the general path (the inner optimizer's
+`update_step`, one variable at a time) gives: checked here with no
+randomness (Kahan updates, float32 state), where both paths are the same
+float32 arithmetic in another order (a last-place difference can flip the
+rounding of a bfloat16 Kahan compensation, up to 2**-16 of the weight:
+hence a relative tolerance of 1e-4).
+"""
+
+import keras
+import numpy as np
+import pytest
+from testing import BACKEND
+from testing import to_numpy
+
+from keras_dtype_policy import LowPrecisionOptimizer
+from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import tensorflow_step
+from keras_dtype_policy.low_precision import torch_step
+
+SHAPES = [(17, 9), (9,), (3, 4, 5), ()]
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(1e-2, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(1e-2, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(
+        1e-2, momentum=0.9, nesterov=True
+    ),
+    "rmsprop": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(1e-2),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(1e-2),
+    "lion": lambda: keras.optimizers.Lion(1e-3),
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "clipped_adam": lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.5),
+}
+
+
+def as_float32(x):
+    return np.asarray(to_numpy(keras.ops.cast(x, "float32")))
+
+
+def train(make_inner, fused, monkeypatch, state_dtype="float32", steps=6):
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(torch_step, "can_batch", lambda wrapper: False)
+            patch.setattr(tensorflow_step, "can_compile", lambda opt: False)
+        rng = np.random.default_rng(0)
+        weights = [
+            keras.Variable(rng.normal(size=s).astype("float32"), dtype=d)
+            for s in SHAPES
+            for d in ("bfloat16", "float32")
+        ]
+        optimizer = LowPrecisionOptimizer(
+            make_inner(), update="kahan", state_dtype=state_dtype
+        )
+        for _ in range(steps):
+            grads = [
+                keras.ops.convert_to_tensor(
+                    rng.normal(size=w.shape).astype("float32"), w.dtype
+                )
+                for w in weights
+            ]
+            optimizer.apply(grads, weights)
+    values = []
+    for weight in weights:
+        compensation = optimizer.compensation_of(weight)
+        if compensation is None:
+            values.append(as_float32(weight))
+        else:
+            values.append(
+                as_float32(compensated_updates.kahan_read(weight, compensation))
+            )
+    return values, optimizer
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_step_equals_the_general_path(name, monkeypatch):
+    fused, _ = train(OPTIMIZERS[name], True, monkeypatch)
+    general, _ = train(OPTIMIZERS[name], False, monkeypatch)
+    for a, b in zip(fused, general, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_step_with_bfloat16_state_stays_close(monkeypatch):
+    # Stochastic rounding of the state draws other bits on each path:
+    # the results agree to the state's precision, not bit for bit.
+    fused, _ = train(OPTIMIZERS["adam"], True, monkeypatch, "bfloat16")
+    general, _ = train(OPTIMIZERS["adam"], False, monkeypatch, "bfloat16")
+    for a, b in zip(fused, general, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+def test_torch_batches_keras_own_optimizers_only(monkeypatch):
+    _, adam = train(OPTIMIZERS["adam"], True, monkeypatch, steps=1)
+    _, nadam = train(OPTIMIZERS["nadam"], True, monkeypatch, steps=1)
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    _, mine = train(lambda: MyAdam(1e-2), True, monkeypatch, steps=1)
+    assert torch_step.can_batch(adam)
+    # Nadam's step updates a product shared by all variables; a subclass
+    # may change the update: both take the general path.
+    assert not torch_step.can_batch(nadam)
+    assert not torch_step.can_batch(mine)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+def test_torch_groups_bound_the_float32_working_set(monkeypatch):
+    # Groups of at most a few elements give what one group gives.
+    whole, _ = train(OPTIMIZERS["adam"], True, monkeypatch)
+    monkeypatch.setattr(torch_step, "GROUP_ELEMENTS", 10)
+    grouped, _ = train(OPTIMIZERS["adam"], True, monkeypatch)
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_compiles_the_step_once(monkeypatch):
+    _, optimizer = train(OPTIMIZERS["adam"], True, monkeypatch)
+    assert tensorflow_step.can_compile(optimizer)
+    steps = optimizer.__dict__["_compiled_steps"]
+    assert len(steps) == 1
+    (step,) = steps.values()
+    assert step.experimental_get_tracing_count() == 1
