@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from tests.benchmarks import hub_quality_report
 from tests.benchmarks.sizes import ARMS
 from tests.benchmarks.sizes import KERAS
 from tests.benchmarks.sizes import PLUGIN
@@ -92,6 +93,7 @@ def render_backend(result):
         ("low_precision", low_precision_section),
         ("low_precision_speed", low_precision_speed_section),
         ("float8", float8_section),
+        ("hub_quality", hub_quality_report.section),
     )
     for key, section in sections:
         if key in result:

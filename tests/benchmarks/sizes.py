@@ -15,6 +15,7 @@ BENCHMARKS = (
     "low_precision",
     "low_precision_speed",
     "float8",
+    "hub_quality",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

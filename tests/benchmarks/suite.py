@@ -12,6 +12,7 @@ import keras
 from tests.benchmarks import audit
 from tests.benchmarks import backend_support
 from tests.benchmarks import float8_training
+from tests.benchmarks import hub_quality
 from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
 from tests.benchmarks import low_precision
@@ -62,6 +63,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "low_precision": lambda: low_precision.run(sizes),
         "low_precision_speed": lambda: low_precision_speed.run(sizes),
         "float8": lambda: float8_training.run(sizes),
+        "hub_quality": lambda: hub_quality.run(sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:
