@@ -92,15 +92,19 @@ def batched_apply(wrapper, grads, variables, learning_rate):
             pieces.append(_Piece(view, grad, slots[id(variable)], start, stop))
     if plain:
         _inner_update(inner, plain_grads, plain, learning_rate)
+    noise = None
+    if wrapper.seed_generator is not None and wrapper.update != "nearest":
+        # One key a step; every rounding of the step draws from it in turn.
+        noise = random_bits.TorchNoise(wrapper.seed_generator)
     group, filled = [], 0
     for piece in pieces:
         if group and filled + piece.size > GROUP_ELEMENTS:
-            _update_pieces(wrapper, group, learning_rate)
+            _update_pieces(wrapper, group, learning_rate, noise)
             group, filled = [], 0
         group.append(piece)
         filled += piece.size
     if group:
-        _update_pieces(wrapper, group, learning_rate)
+        _update_pieces(wrapper, group, learning_rate, noise)
 
 
 class _Piece:
@@ -127,7 +131,7 @@ def _inner_update(inner, grads, targets, learning_rate):
         inner._parallel_update_step(grads, targets, learning_rate)
 
 
-def _update_pieces(wrapper, group, learning_rate):
+def _update_pieces(wrapper, group, learning_rate, noise):
     import torch
 
     arena = _Arena(wrapper, group)
@@ -161,16 +165,14 @@ def _update_pieces(wrapper, group, learning_rate):
                     swapped.append((slot, stored, None))
         _inner_update(wrapper.inner_optimizer, grads, views, learning_rate)
         for piece in group:
-            _write_weight(wrapper, piece, arena)
+            _write_weight(wrapper, piece, arena, noise)
         for slot, _, flat in swapped:
             if flat is None:
                 continue
             if wrapper.update == "nearest":
                 flat.copy_(slot._value)
             else:
-                store_rounded(
-                    flat, slot._value, wrapper.seed_generator, arena.sum_space
-                )
+                store_rounded(flat, slot._value, noise, arena.sum_space)
     finally:
         for view in views:
             view.working = None
@@ -257,7 +259,7 @@ def _fused_adam(inner, grads, order, learning_rate):
     )
 
 
-def _write_weight(wrapper, piece, arena):
+def _write_weight(wrapper, piece, arena, noise):
     view = piece.view
     stored = piece.flat(view.weight._value)
     working = view.working
@@ -270,12 +272,12 @@ def _write_weight(wrapper, piece, arena):
         working.sub_(rounded)
         piece.flat(view.compensation._value).copy_(working)
     elif wrapper.update == "stochastic_rounding":
-        store_rounded(stored, working, wrapper.seed_generator, arena.sum_space)
+        store_rounded(stored, working, noise, arena.sum_space)
     else:
         stored.copy_(working)
 
 
-def store_rounded(stored, working, seed, scratch=None):
+def store_rounded(stored, working, noise, scratch=None):
     """Stores float32 `working` into `stored`, rounded stochastically.
 
     For bfloat16 storage the random 16 bits are added to the float32 bit
@@ -289,37 +291,31 @@ def store_rounded(stored, working, seed, scratch=None):
     Args:
         stored: The bfloat16 or float16 torch tensor to write.
         working: The float32 values, a torch tensor of the same shape.
-        seed: A `keras.random.SeedGenerator`.
+        noise: A `random_bits.TorchNoise`, or a `keras.random.SeedGenerator`
+            (advanced by one).
         scratch: Optional float32 torch tensor of at least as many
             elements, to hold the sum on a CPU.
     """
     import torch
 
+    if not isinstance(noise, random_bits.TorchNoise):
+        noise = random_bits.TorchNoise(noise, working.device)
     if stored.dtype != torch.bfloat16 or sys.byteorder != "little":
+        seed = int(noise.int32(2).sum()) & 0x7FFFFFFF
         stored.copy_(
             compensated_updates.stochastic_round(working, stored.dtype, seed)
         )
         return
-    key, device = random_bits.torch_key(seed, working.device)
-    if device.type == "cpu":
-        noise = random_bits.numpy_noise((working.numel(),), 16, key)
+    size = working.numel()
+    if noise.device.type == "cpu":
         bits = working.reshape(-1).view(torch.int32).numpy()
         if scratch is None:
-            summed = torch.from_numpy(bits + noise)
+            summed = torch.from_numpy(bits + noise.uint16(size))
         else:
-            summed = scratch[: working.numel()].view(torch.int32)
-            np.add(bits, noise, out=summed.numpy(), casting="unsafe")
+            summed = scratch[:size].view(torch.int32)
+            np.add(bits, noise.uint16(size), out=summed.numpy())
     else:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(key)
-        summed = torch.randint(
-            0,
-            2**16,
-            (working.numel(),),
-            dtype=torch.int32,
-            generator=generator,
-            device=device,
-        )
+        summed = noise.int32(size)
         summed.add_(working.reshape(-1).view(torch.int32))
     stored.view(torch.int16).view(-1).copy_(summed.view(torch.int16)[1::2])
 
