@@ -54,6 +54,10 @@ def make_get(original_get):
     return get
 
 
+# The setter made for each of Keras' functions, by the function's id.
+_SETTERS = {}
+
+
 def make_set_dtype_policy(original_set):
     """Returns a public `keras.config.set_dtype_policy` that knows this
     package's names.
@@ -62,8 +66,14 @@ def make_set_dtype_policy(original_set):
         original_set: Keras' own `set_dtype_policy`.
 
     Returns:
-        A function with the same signature.
+        A function with the same signature: the same object for the same
+        `original_set`, so Keras' names of one function (`keras.config.
+        set_dtype_policy`, `keras.mixed_precision.set_global_policy`)
+        stay one function.
     """
+    made = _SETTERS.get(id(original_set))
+    if made is not None and made.__wrapped__ is original_set:
+        return made
 
     def set_dtype_policy(policy):
         if is_package_name(policy):
@@ -72,4 +82,5 @@ def make_set_dtype_policy(original_set):
 
     set_dtype_policy.__doc__ = original_set.__doc__
     set_dtype_policy.__wrapped__ = original_set
+    _SETTERS[id(original_set)] = set_dtype_policy
     return set_dtype_policy
