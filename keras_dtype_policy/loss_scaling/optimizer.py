@@ -19,6 +19,7 @@ from keras_dtype_policy.loss_scaling.inner_hyperparameters import (
     ForwardsHyperparameters,
 )
 from keras_dtype_policy.loss_scaling.saved_layouts import SavedLayouts
+from keras_dtype_policy.low_precision import tensorflow_step
 from keras_dtype_policy.policies.registration import register
 
 
@@ -308,6 +309,19 @@ class LossScaleOptimizer(
         return ops.stack(entries)
 
     def _tf_apply(self, grads, trainable_variables=None):
+        if tf_replicas.outside_strategies() and not (
+            tensorflow_step.has_sparse(grads)
+        ):
+            # One XLA computation: the check, the unscale, the inner step
+            # and the scale's update (Keras runs TensorFlow op by op on a
+            # CPU).
+            tensorflow_step.compiled_apply(
+                self,
+                grads,
+                trainable_variables or self._trainable_variables,
+                step=self._common_apply,
+            )
+            return
         # Under tf.distribute, all replicas agree on skipping a step.
         tf_replicas.apply(self, grads, trainable_variables)
 

@@ -71,6 +71,13 @@ def apply(optimizer, grads, trainable_variables=None):
     )
 
 
+def outside_strategies():
+    """True outside every `tf.distribute` strategy (the default one)."""
+    import tensorflow as tf
+
+    return not tf.distribute.has_strategy()
+
+
 def _count_non_finite(optimizer, grads):
     """Returns 1.0 if this replica's gradients hold a NaN or Inf, else 0.0.
 

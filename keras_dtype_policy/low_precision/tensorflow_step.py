@@ -31,34 +31,66 @@ def can_compile(optimizer):
     return True
 
 
-def compiled_apply(optimizer, grads, trainable_variables):
-    """Runs `optimizer._apply` as one XLA computation.
+def compiled_apply(optimizer, grads, trainable_variables, step=None):
+    """Runs `step(grads, trainable_variables)` as one XLA computation.
 
-    The function is traced once per list of variables (by identity) and
-    per set of gradients that are None; the variables are captured, the
-    gradients passed.
+    The function is traced once per list of variables (by identity), per
+    set of gradients that are None and per value of the optimizers' plain
+    Python settings (`clipnorm` set between two steps takes effect, as it
+    does eagerly); the variables are captured, the gradients passed.
 
     Args:
-        optimizer: The `LowPrecisionOptimizer`.
+        optimizer: The optimizer (`LowPrecisionOptimizer`, or the
+            package's `LossScaleOptimizer`); its compiled steps are cached
+            on it.
         grads: The gradients, one per variable (None for none).
         trainable_variables: The variables.
+        step: The function to compile; defaults to `optimizer._apply`.
     """
     import tensorflow as tf
 
+    step_function = step or optimizer._apply
     present = tuple(g is not None for g in grads)
-    key = (tuple(id(v) for v in trainable_variables), present)
+    key = (
+        tuple(id(v) for v in trainable_variables),
+        present,
+        _settings(optimizer),
+    )
     cache = optimizer.__dict__.setdefault("_compiled_steps", {})
-    step = cache.get(key)
-    if step is None:
+    compiled = cache.get(key)
+    if compiled is None:
         variables = list(trainable_variables)
 
         def run(given):
             full = iter(given)
             grads = [next(full) if p else None for p in present]
-            optimizer._apply(grads, variables)
+            step_function(grads, variables)
             return tf.constant(0)
 
-        step = tf.function(run, jit_compile=True, autograph=False)
+        compiled = tf.function(run, jit_compile=True, autograph=False)
         cache.clear()
-        cache[key] = step
-    step([tf.convert_to_tensor(g) for g in grads if g is not None])
+        cache[key] = compiled
+    compiled([tf.convert_to_tensor(g) for g in grads if g is not None])
+
+
+def _settings(optimizer):
+    """The plain Python settings of `optimizer` and the optimizers it
+    wraps, which a trace freezes."""
+    settings = []
+    while optimizer is not None:
+        settings.append(
+            tuple(
+                (name, value)
+                for name, value in vars(optimizer).items()
+                if isinstance(value, (bool, int, float, str, type(None)))
+            )
+        )
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return tuple(settings)
+
+
+def has_sparse(grads):
+    """True if a gradient is a `tf.IndexedSlices`."""
+    return any(
+        hasattr(g, "indices") and hasattr(g, "dense_shape") for g in grads
+    )
