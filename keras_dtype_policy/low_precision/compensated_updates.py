@@ -31,6 +31,8 @@ _DROPPED_BITS = {"bfloat16": 16, "float16": 13}
 # values is fixed at 2**-24.
 _FLOAT16_MIN_NORMAL = 2.0**-14
 _FLOAT16_SUBNORMAL_STEP = 2.0**-24
+# float16's largest number.
+_FLOAT16_MAX = 65504.0
 
 
 def is_low_precision(dtype):
@@ -46,8 +48,9 @@ def stochastic_round(value, dtype, seed):
     of many roundings is the value itself. For bfloat16, which keeps
     float32's exponent range, this holds for every finite value (subnormal
     ones included). For float16 it holds from the smallest subnormal float16
-    up to float16's largest value; beyond that the result is infinite, as
-    with a cast. NaN and infinities are returned as a cast returns them.
+    up to float16's largest value; beyond that the result is what a cast
+    gives (the largest value below 65520, infinite from there). NaN and
+    infinities are returned as a cast returns them.
 
     The rounding adds random bits below the kept mantissa bits of the
     float32 value's bit pattern (`keras.ops.view`) and clears them.
@@ -89,6 +92,11 @@ def stochastic_round(value, dtype, seed):
         )
         rounded = ops.where(
             ops.less(ops.abs(value), _FLOAT16_MIN_NORMAL), grid, rounded
+        )
+        # Beyond float16's largest number, what a cast gives: the largest
+        # number below 65520, infinity from there.
+        rounded = ops.where(
+            ops.greater(ops.abs(value), _FLOAT16_MAX), value, rounded
         )
     rounded = ops.where(ops.isfinite(value), rounded, value)
     return ops.cast(rounded, dtype)

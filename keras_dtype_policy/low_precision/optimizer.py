@@ -197,12 +197,13 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         with keras.name_scope(inner.name, caller=inner):
             grads = inner_step.summed_across_replicas([g for g, _ in pairs])
-            # The inner arithmetic runs in float32, clipping included.
-            views = self._targets.views
-            grads = [
-                ops.cast(g, "float32") if id(v) in views else g
-                for g, (_, v) in zip(grads, pairs, strict=True)
-            ]
+            if _clips(inner):
+                # Clipped in float32, as the rest of the inner arithmetic.
+                views = self._targets.views
+                grads = [
+                    ops.cast(g, "float32") if id(v) in views else g
+                    for g, (_, v) in zip(grads, pairs, strict=True)
+                ]
             scale = inner.loss_scale_factor
             if scale is not None:
                 grads = [g / scale for g in grads]
@@ -313,6 +314,13 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         elif isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
         return cls(inner_optimizer, **config)
+
+
+def _clips(optimizer):
+    return any(
+        getattr(optimizer, name, None) is not None
+        for name in ("clipnorm", "clipvalue", "global_clipnorm")
+    )
 
 
 class _Targets:

@@ -50,7 +50,13 @@ def mix(x):
 
 def key_of(seed_state):
     """Returns the int32 key hashed from a seed generator's `(seed,
-    counter)` state."""
+    counter)` state.
+
+    Only the low 31 bits of the seed and of the counter enter the key:
+    seeds that differ by 2**31 draw the same bits, and the bits of a
+    generator repeat after 2**31 draws (Keras' default seeds are below
+    1e9; a step draws once a rounded tensor).
+    """
     state = ops.cast(
         ops.bitwise_and(ops.convert_to_tensor(seed_state), _INT32_MASK),
         "int32",

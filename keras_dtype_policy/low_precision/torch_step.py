@@ -27,13 +27,13 @@ torch is imported inside functions, only once Keras runs on it.
 import sys
 
 import keras
+import numpy as np
 
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import random_bits
-from keras_dtype_policy.low_precision.float32_views import Float32View
 
 # The most elements one group's float32 working tensors cover.
-GROUP_ELEMENTS = 2**22
+GROUP_ELEMENTS = 2**20
 _BATCHED_CLASSES = (
     "Adam",
     "AdamW",
@@ -66,7 +66,9 @@ def batched_apply(wrapper, grads, variables, learning_rate):
     """Updates `variables` from `grads`, group by group.
 
     `grads` are already summed, unscaled and clipped; the caller advances
-    the iteration count afterwards.
+    the iteration count afterwards. Variables the wrapper keeps no view of
+    (float32 weights with float32 state) are updated in place, all at
+    once; the others in pieces of at most `GROUP_ELEMENTS` elements.
 
     Args:
         wrapper: The `LowPrecisionOptimizer`.
@@ -77,46 +79,137 @@ def batched_apply(wrapper, grads, variables, learning_rate):
     inner = wrapper.inner_optimizer
     targets = wrapper._targets
     slots = _slots_by_variable(wrapper)
-    group, size = [], 0
+    plain_grads, plain, pieces = [], [], []
     for grad, variable in zip(grads, variables, strict=True):
-        group.append((grad, variable))
-        size += _elements(variable)
-        if size >= GROUP_ELEMENTS:
-            _update_group(wrapper, inner, targets, slots, group, learning_rate)
-            group, size = [], 0
+        view = targets.views.get(id(variable))
+        if view is None:
+            plain_grads.append(grad)
+            plain.append(variable)
+            continue
+        size = _elements(variable)
+        for start in range(0, max(size, 1), GROUP_ELEMENTS):
+            stop = min(start + GROUP_ELEMENTS, size)
+            pieces.append(_Piece(view, grad, slots[id(variable)], start, stop))
+    if plain:
+        _inner_update(inner, plain_grads, plain, learning_rate)
+    group, filled = [], 0
+    for piece in pieces:
+        if group and filled + piece.size > GROUP_ELEMENTS:
+            _update_pieces(wrapper, group, learning_rate)
+            group, filled = [], 0
+        group.append(piece)
+        filled += piece.size
     if group:
-        _update_group(wrapper, inner, targets, slots, group, learning_rate)
+        _update_pieces(wrapper, group, learning_rate)
 
 
-def _update_group(wrapper, inner, targets, slots, group, learning_rate):
-    grads, order, views, widened = [], [], [], []
+class _Piece:
+    """A run of elements of one weight, its gradient and its slots."""
+
+    def __init__(self, view, grad, slots, start, stop):
+        self.view = view
+        self.grad = grad
+        self.slots = slots
+        self.start = start
+        self.stop = stop
+        self.size = stop - start
+
+    def flat(self, tensor):
+        """This piece's elements of a tensor of the weight's shape."""
+        return tensor.reshape(-1)[self.start : self.stop]
+
+
+def _inner_update(inner, grads, targets, learning_rate):
+    inner._apply_weight_decay(targets)
+    if _has_fused_adam(inner):
+        _fused_adam(inner, grads, targets, learning_rate)
+    else:
+        inner._parallel_update_step(grads, targets, learning_rate)
+
+
+def _update_pieces(wrapper, group, learning_rate):
+    import torch
+
+    arena = _Arena(wrapper, group)
+    swapped, views, grads = [], [], []
     try:
-        for grad, variable in group:
-            target = targets.views.get(id(variable), variable)
-            if isinstance(target, Float32View):
-                target.working = _read_float32(target)
-                views.append(target)
-            for slot in slots.get(id(variable), ()):
-                widened.append((slot, slot._value))
-                slot._value = slot._value.float()
-            grads.append(grad)
-            order.append(target)
-        inner._apply_weight_decay(order)
-        if _has_fused_adam(inner):
-            _fused_adam(inner, grads, order, learning_rate)
-        else:
-            inner._parallel_update_step(grads, order, learning_rate)
-        _write_weights(wrapper, views)
-        for slot, stored in widened:
-            if wrapper.update == "nearest":
-                stored.copy_(slot._value)
+        for piece in group:
+            view = piece.view
+            weight = piece.flat(view.weight._value)
+            if weight.dtype == torch.float32:
+                working = weight
             else:
-                store_rounded(stored, slot._value, wrapper.seed_generator)
+                working = arena.take(piece.size).copy_(weight)
+                if view.compensation is not None:
+                    compensation = arena.take(piece.size)
+                    compensation.copy_(piece.flat(view.compensation._value))
+                    working.add_(compensation)
+            view.working = working
+            views.append(view)
+            grad = piece.flat(piece.grad)
+            if grad.dtype != torch.float32:
+                grad = arena.take(piece.size).copy_(grad)
+            grads.append(grad)
+            for slot in piece.slots:
+                stored = slot._value
+                flat = piece.flat(stored)
+                if flat.dtype != torch.float32:
+                    slot._value = arena.take(piece.size).copy_(flat)
+                    swapped.append((slot, stored, flat))
+                else:
+                    slot._value = flat
+                    swapped.append((slot, stored, None))
+        _inner_update(wrapper.inner_optimizer, grads, views, learning_rate)
+        for piece in group:
+            _write_weight(wrapper, piece, arena)
+        for slot, _, flat in swapped:
+            if flat is None:
+                continue
+            if wrapper.update == "nearest":
+                flat.copy_(slot._value)
+            else:
+                store_rounded(
+                    flat, slot._value, wrapper.seed_generator, arena.sum_space
+                )
     finally:
         for view in views:
             view.working = None
-        for slot, stored in widened:
+        for slot, stored, _ in swapped:
             slot._value = stored
+
+
+class _Arena:
+    """The float32 working space of one group, reused from step to step.
+
+    Fresh tensors would cost a page fault every 4 KiB on every step; this
+    space is allocated once (and grown if a group needs more), never more
+    than `GROUP_ELEMENTS` elements for each float32 copy a piece needs.
+    """
+
+    def __init__(self, wrapper, group):
+        import torch
+
+        targets = wrapper._targets
+        needed = sum(piece.size * (3 + len(piece.slots)) for piece in group)
+        largest = max(piece.size for piece in group)
+        space = getattr(targets, "arena", None)
+        device = group[0].view.weight._value.device
+        if (
+            space is None
+            or space.numel() < needed + largest
+            or space.device != device
+        ):
+            space = torch.empty(needed + largest, device=device)
+            targets.arena = space
+        self.space = space
+        self.sum_space = space[needed : needed + largest]
+        self.used = 0
+
+    def take(self, size):
+        """Returns the next `size` elements of the space."""
+        taken = self.space[self.used : self.used + size]
+        self.used += size
+        return taken
 
 
 def _has_fused_adam(inner):
@@ -164,33 +257,25 @@ def _fused_adam(inner, grads, order, learning_rate):
     )
 
 
-def _read_float32(view):
-    weight = view.weight._value
-    if weight.dtype.is_floating_point and weight.element_size() == 4:
-        return weight
-    working = weight.float()
+def _write_weight(wrapper, piece, arena):
+    view = piece.view
+    stored = piece.flat(view.weight._value)
+    working = view.working
+    if stored.data_ptr() == working.data_ptr():
+        return
     if view.compensation is not None:
-        working.add_(view.compensation._value)
-    return working
+        # Rounded to nearest; the compensation keeps what it took off.
+        stored.copy_(working)
+        rounded = arena.sum_space[: piece.size].copy_(stored)
+        working.sub_(rounded)
+        piece.flat(view.compensation._value).copy_(working)
+    elif wrapper.update == "stochastic_rounding":
+        store_rounded(stored, working, wrapper.seed_generator, arena.sum_space)
+    else:
+        stored.copy_(working)
 
 
-def _write_weights(wrapper, views):
-    for view in views:
-        stored = view.weight._value
-        if stored is view.working:
-            continue
-        if view.compensation is not None:
-            # Rounded to nearest; the compensation keeps what it took off.
-            stored.copy_(view.working)
-            view.working.sub_(stored)
-            view.compensation._value.copy_(view.working)
-        elif wrapper.update == "stochastic_rounding":
-            store_rounded(stored, view.working, wrapper.seed_generator)
-        else:
-            stored.copy_(view.working)
-
-
-def store_rounded(stored, working, seed):
+def store_rounded(stored, working, seed, scratch=None):
     """Stores float32 `working` into `stored`, rounded stochastically.
 
     For bfloat16 storage the random 16 bits are added to the float32 bit
@@ -205,6 +290,8 @@ def store_rounded(stored, working, seed):
         stored: The bfloat16 or float16 torch tensor to write.
         working: The float32 values, a torch tensor of the same shape.
         seed: A `keras.random.SeedGenerator`.
+        scratch: Optional float32 torch tensor of at least as many
+            elements, to hold the sum on a CPU.
     """
     import torch
 
@@ -216,9 +303,12 @@ def store_rounded(stored, working, seed):
     key, device = random_bits.torch_key(seed, working.device)
     if device.type == "cpu":
         noise = random_bits.numpy_noise((working.numel(),), 16, key)
-        summed = torch.from_numpy(
-            working.reshape(-1).view(torch.int32).numpy() + noise
-        )
+        bits = working.reshape(-1).view(torch.int32).numpy()
+        if scratch is None:
+            summed = torch.from_numpy(bits + noise)
+        else:
+            summed = scratch[: working.numel()].view(torch.int32)
+            np.add(bits, noise, out=summed.numpy(), casting="unsafe")
     else:
         generator = torch.Generator(device=device)
         generator.manual_seed(key)
@@ -242,8 +332,13 @@ def _elements(variable):
 
 
 def _slots_by_variable(wrapper):
-    """Returns `{id(model variable): [rounded slots]}`, or None where the
-    inner optimizer keeps its slots in a way this module cannot see."""
+    """Returns `{id(model variable): [its optimizer slots]}`, or None where
+    the inner optimizer keeps its slots in a way this module cannot see.
+
+    Keras' optimizers keep each kind of slot in a list with one entry a
+    variable (`_momentums`, `_velocities`, ...), in the order they were
+    built on; every slot must have its variable's shape.
+    """
     targets = wrapper._targets
     cached = getattr(targets, "slots_by_variable", False)
     if cached is not False:
@@ -256,19 +351,19 @@ def _slots_by_variable(wrapper):
         if name != "_trainable_variables"
         and isinstance(value, list)
         and len(value) == len(order)
-        and any(id(slot) in targets.rounded_slots for slot in value)
+        and all(isinstance(v, keras.Variable) or v is None for v in value)
+        and any(isinstance(v, keras.Variable) for v in value)
     ]
-    by_variable, found = {}, set()
+    by_variable, found, shapes_match = {}, set(), True
     for index, target in enumerate(order):
         variable = getattr(target, "weight", target)
-        rounded = [
-            slots[index]
-            for slots in lists
-            if slots[index] is not None
-            and id(slots[index]) in targets.rounded_slots
-        ]
-        found.update(id(slot) for slot in rounded)
-        by_variable[id(variable)] = rounded
-    result = by_variable if found == set(targets.rounded_slots) else None
+        held = [slots[index] for slots in lists if slots[index] is not None]
+        shapes_match &= all(
+            tuple(slot.shape) == tuple(variable.shape) for slot in held
+        )
+        found.update(id(slot) for slot in held)
+        by_variable[id(variable)] = held
+    covered = set(targets.rounded_slots) <= found
+    result = by_variable if covered and shapes_match else None
     targets.slots_by_variable = result
     return result

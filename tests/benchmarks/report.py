@@ -91,6 +91,7 @@ def render_backend(result):
         ("audit", audit_section),
         ("scaling_cost", _scaling_cost_section),
         ("low_precision", low_precision_section),
+        ("low_precision_speed", low_precision_speed_section),
         ("float8", float8_section),
         ("hub_quality", hub_quality_report.section),
     )
@@ -368,6 +369,38 @@ def _scaling_cost_table(results):
     lines += [
         "",
         f"plugin/Keras: {_comparison(versus)} (target <= 1.0).",
+        "",
+    ]
+    return lines
+
+
+def low_precision_speed_section(results):
+    """Returns the markdown lines of the low-precision step-time
+    benchmark."""
+    lines = [
+        "### 9. Step time of low-precision training on a real-sized model",
+        "",
+        f"{results['model']}: {results['parameters']:,} parameters in "
+        f"{results['weight_tensors']} weight tensors; "
+        f"{results['rounds']} rounds of {results['steps_per_round']} steps, "
+        "the configurations taking turns (median seconds a step).",
+        "",
+        "| configuration | optimizer | ms a step | over mixed_bfloat16 "
+        "| over bfloat16 |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['configuration']} | {row['optimizer']} | "
+            f"{row['seconds_per_step'] * 1e3:.1f} | "
+            f"{row['over_mixed_bfloat16']:.2f} | {row['over_bfloat16']:.2f} |"
+        )
+    targets = results["targets"]
+    lines += [
+        "",
+        f"Targets: <= {targets['over_mixed']:.2f} of mixed_bfloat16 "
+        f"(goal {targets['goal_over_mixed']:.2f}); stochastic rounding <= "
+        f"{targets['over_plain']:.2f} of plain bfloat16.",
         "",
     ]
     return lines

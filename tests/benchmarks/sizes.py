@@ -13,6 +13,7 @@ BENCHMARKS = (
     "audit",
     "scaling_cost",
     "low_precision",
+    "low_precision_speed",
     "float8",
     "hub_quality",
 )

@@ -16,6 +16,7 @@ from tests.benchmarks import hub_quality
 from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
 from tests.benchmarks import low_precision
+from tests.benchmarks import low_precision_speed
 from tests.benchmarks import machine
 from tests.benchmarks import memory
 from tests.benchmarks import scaling_cost
@@ -60,6 +61,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "audit": lambda: audit.run(sizes),
         "scaling_cost": lambda: scaling_cost.run(sizes),
         "low_precision": lambda: low_precision.run(sizes),
+        "low_precision_speed": lambda: low_precision_speed.run(sizes),
         "float8": lambda: float8_training.run(sizes),
         "hub_quality": lambda: hub_quality.run(sizes),
     }

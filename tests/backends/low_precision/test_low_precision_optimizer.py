@@ -177,6 +177,23 @@ def test_stochastic_rounding_is_seeded_and_moves_on():
     assert not np.array_equal(first, second)
 
 
+def test_stochastic_rounding_to_float16_overflows_where_a_cast_does():
+    # Between 65504 (float16's largest) and 65520 a cast gives 65504; from
+    # 65520 on, infinity. Stochastic rounding does the same there.
+    values = np.array([65505.0, 65510.0, 65519.0, -65510.0, 65520.0], "float32")
+    tiled = keras.ops.convert_to_tensor(np.repeat(values, 2000))
+    rounded = as_float32(
+        compensated_updates.stochastic_round(
+            tiled, "float16", keras.random.SeedGenerator(0)
+        )
+    ).reshape(len(values), -1)
+    cast = as_float32(
+        keras.ops.cast(keras.ops.convert_to_tensor(values), "float16")
+    )
+    for row, expected in zip(rounded, cast, strict=True):
+        assert set(np.unique(row).tolist()) == {float(expected)}
+
+
 def test_stochastic_rounding_keeps_nan_and_infinities():
     values = keras.ops.convert_to_tensor(
         np.array([np.nan, np.inf, -np.inf, 1.5], "float32")
