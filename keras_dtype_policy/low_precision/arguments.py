@@ -3,7 +3,7 @@
 import keras
 
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
-STATE_DTYPES = (None, "float32", "bfloat16", "float16")
+STATE_DTYPES = (None, "float32", "bfloat16", "float16", "8bit", "4bit")
 
 
 def check_inner_optimizer(inner_optimizer, wrapper_class):
@@ -70,13 +70,15 @@ def check_state_dtype(state_dtype):
     """Returns `state_dtype` standardized, if one of `STATE_DTYPES`."""
     if state_dtype is None:
         return None
-    expected = "None, 'float32', 'bfloat16' or 'float16'"
+    expected = "None, 'float32', 'bfloat16', 'float16', '8bit' or '4bit'"
     if not isinstance(state_dtype, str):
         raise TypeError(
             f"`state_dtype` must be {expected}. "
             f"Received: state_dtype={state_dtype!r} "
             f"(of type {type(state_dtype).__name__})"
         )
+    if state_dtype in ("8bit", "4bit"):
+        return state_dtype
     try:
         standard = keras.backend.standardize_dtype(state_dtype)
     except (TypeError, ValueError, AttributeError):

@@ -14,6 +14,8 @@ import keras
 from keras import ops
 
 from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import quantized_slots
+from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 
 class Float32View(keras.Variable):
@@ -65,7 +67,13 @@ class Float32View(keras.Variable):
 
     @property
     def dtype(self):
-        return self.slot_dtype if self._building else "float32"
+        if not self._building or quantized_slots.quantized_bits(
+            self.slot_dtype
+        ):
+            # Quantized slots come from `add_variable_from_reference`;
+            # anything else the inner optimizer makes is float32.
+            return "float32"
+        return self.slot_dtype
 
     @property
     def shape(self):
@@ -129,8 +137,10 @@ class Float32View(keras.Variable):
 def route_writes(inner, wrapper):
     """Routes the inner optimizer's writes to views and rounded slots.
 
-    Only this instance's `assign`, `assign_add`, `assign_sub` (and, for
-    TensorFlow, `_var_key`, which would read a view's value) are replaced.
+    Only this instance's `assign`, `assign_add`, `assign_sub`, `_var_key`
+    (for TensorFlow, which would read a view's value) and
+    `add_variable_from_reference` (which makes quantized slots, see
+    `quantized_slots`) are replaced.
 
     Args:
         inner: The inner `keras.optimizers.Optimizer`.
@@ -144,7 +154,7 @@ def route_writes(inner, wrapper):
     targets = wrapper._targets
 
     def written(self, variable, value, combine):
-        if isinstance(variable, Float32View):
+        if isinstance(variable, (Float32View, QuantizedSlot)):
             variable.assign(combine(variable.value, _as_float32(value)))
             return True
         slot = targets.rounded_slots.get(id(variable))
@@ -167,11 +177,20 @@ def route_writes(inner, wrapper):
             inner_class.assign_sub(self, variable, value)
 
     def _var_key(self, variable):
-        if isinstance(variable, Float32View):
+        if isinstance(variable, (Float32View, QuantizedSlot)):
             return id(variable)
         return inner_class._var_key(self, variable)
 
-    for method in (assign, assign_add, assign_sub, _var_key):
+    add_variable_from_reference = quantized_slots.make_slot_creation(
+        inner, wrapper
+    )
+    for method in (
+        assign,
+        assign_add,
+        assign_sub,
+        _var_key,
+        add_variable_from_reference,
+    ):
         setattr(inner, method.__name__, types.MethodType(method, inner))
 
 

@@ -8,6 +8,7 @@ from keras import ops
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import inner_step
+from keras_dtype_policy.low_precision import quantized_slots
 from keras_dtype_policy.low_precision import tensorflow_step
 from keras_dtype_policy.low_precision import torch_step
 from keras_dtype_policy.low_precision.float32_views import Float32View
@@ -116,6 +117,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         for variable in var_list:
             weight_dtype = keras.backend.standardize_dtype(variable.dtype)
             slot_dtype = self._state_dtype or weight_dtype
+            if quantized_slots.quantized_bits(slot_dtype) and not (
+                keras.backend.is_float_dtype(weight_dtype)
+                and quantized_slots.is_quantizable(variable)
+            ):
+                slot_dtype = "float32"
             low = compensated_updates.is_low_precision(weight_dtype)
             if not keras.backend.is_float_dtype(weight_dtype) or (
                 not low and slot_dtype == weight_dtype
@@ -155,7 +161,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             compensated_updates.is_low_precision(v.dtype) for v in var_list
         )
         stochastic_slots = self._update != "nearest" and bool(
-            targets.rounded_slots
+            targets.rounded_slots or targets.quantized_slots
         )
         if stochastic_weights or stochastic_slots:
             with keras.name_scope(self.name, caller=self):
@@ -211,10 +217,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             learning_rate = inner.learning_rate
             inner_step.advance_step_state(inner)
             variables = [v for _, v in pairs]
-            if torch_step.can_batch(self):
-                self._batched_updates(grads, variables, learning_rate)
-            else:
-                self._updates(grads, variables, learning_rate)
+            try:
+                if torch_step.can_batch(self):
+                    self._batched_updates(grads, variables, learning_rate)
+                else:
+                    self._updates(grads, variables, learning_rate)
+            finally:
+                for slot in self._targets.quantized_slots.values():
+                    slot.working = None
             inner._iterations.assign_add(1)
 
     def _updates(self, grads, variables, learning_rate):
@@ -288,6 +298,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             value, slot.dtype, self.seed_generator
         )
 
+    def state_rounding_seed(self):
+        """The seed of stochastic rounding of the state, or None where it
+        rounds to nearest (`update="nearest"`)."""
+        return None if self._update == "nearest" else self.seed_generator
+
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
@@ -330,6 +345,7 @@ class _Targets:
         self.views = {}
         self.order = []
         self.rounded_slots = {}
+        self.quantized_slots = {}
 
 
 def _slot_name(variable, name):

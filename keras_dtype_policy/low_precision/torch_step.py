@@ -59,6 +59,8 @@ def can_batch(wrapper):
         return False
     if inner.gradient_accumulation_steps or inner.use_ema:
         return False
+    if wrapper._targets.quantized_slots:
+        return False
     return _slots_by_variable(wrapper) is not None
 
 
