@@ -28,6 +28,7 @@ from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
 from keras_dtype_policy.loss_scaling import state_arrival
+from keras_dtype_policy.low_precision import float32_views
 from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies import keras_lookups
@@ -212,6 +213,14 @@ INSTANCE_PATCHES = (
         state_arrival.forget_taught,
         "Read tf.keras 2 optimizer state, keep state loaded before the "
         "first build, and skip state that does not fit, naming both layouts.",
+    ),
+    InstancePatch(
+        "the inner optimizer of this package's LowPrecisionOptimizer",
+        float32_views.ROUTED_METHODS,
+        float32_views.unroute_all,
+        "Send the inner optimizer's writes to the float32 views and to the "
+        "rounded and quantized slots, and make its quantized slots; the "
+        "wrapper sets them again at its next step.",
     ),
 )
 

@@ -9,6 +9,7 @@ way, on that one instance only: nothing in Keras is patched.
 """
 
 import types
+import weakref
 
 import keras
 from keras import ops
@@ -16,6 +17,16 @@ from keras import ops
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import quantized_slots
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
+
+# The methods `route_writes` sets on an inner optimizer.
+ROUTED_METHODS = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "_var_key",
+    "add_variable_from_reference",
+)
+_routed = weakref.WeakSet()
 
 
 class Float32View(keras.Variable):
@@ -150,6 +161,7 @@ def route_writes(inner, wrapper):
     if getattr(inner, "_writes_routed", False):
         return
     inner._writes_routed = True
+    _routed.add(inner)
     inner_class = type(inner)
     targets = wrapper._targets
 
@@ -201,3 +213,17 @@ def _dense(value):
 
 def _as_float32(value):
     return ops.cast(_dense(value), "float32")
+
+
+def unroute_all():
+    """Gives every routed inner optimizer its class' methods back.
+
+    Called by `keras_dtype_policy.uninstall()`; a `LowPrecisionOptimizer`
+    routes its inner optimizer again at its next build or step, which
+    cannot run without it.
+    """
+    for inner in list(_routed):
+        for name in ROUTED_METHODS:
+            vars(inner).pop(name, None)
+        inner._writes_routed = False
+    _routed.clear()

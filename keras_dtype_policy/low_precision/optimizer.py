@@ -149,6 +149,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         finally:
             for view in targets.views.values():
                 view._building = False
+        # Keras tracks the slots the inner optimizer keeps in its lists;
+        # a quantized slot's state is its codes and scales, the wrapper's.
+        tracked = inner._variables
+        for index in reversed(range(len(tracked))):
+            if id(tracked[index]) in targets.quantized_slots:
+                del tracked[index]
         skip = {id(inner._iterations)}
         if isinstance(inner._learning_rate, keras.Variable):
             skip.add(id(inner._learning_rate))
@@ -181,6 +187,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         trainable_variables = list(trainable_variables)
         if not self._targets.views:
             return self.inner_optimizer.apply(grads, trainable_variables)
+        # Put back if `keras_dtype_policy.uninstall()` took them off.
+        route_writes(self.inner_optimizer, self)
         if keras.backend.backend() == "torch":
             import torch
 

@@ -130,8 +130,7 @@ def test_uninstall_takes_the_methods_off_every_optimizer(tmp_path):
 
 
 def test_the_table_and_the_docs_list_the_instance_patch():
-    (patch,) = patches.INSTANCE_PATCHES
-    assert patch.attributes == METHODS
+    (patch,) = [p for p in patches.INSTANCE_PATCHES if p.attributes == METHODS]
     assert patch.why
     page = (
         pathlib.Path(__file__).resolve().parents[3]
@@ -142,3 +141,32 @@ def test_the_table_and_the_docs_list_the_instance_patch():
         "| optimizer instances: `build`, `load_own_variables`, "
         "`set_weights` |" in page
     )
+
+
+def test_uninstall_unroutes_and_the_wrapper_routes_again():
+    from keras_dtype_policy.low_precision import float32_views
+
+    weight = keras.Variable(np.ones((64, 80)), dtype="bfloat16")
+    optimizer = kdp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), state_dtype="8bit", seed=1
+    )
+    grad = keras.ops.ones((64, 80), "bfloat16")
+    optimizer.apply([grad], [weight])
+    inner = optimizer.inner_optimizer
+    assert set(float32_views.ROUTED_METHODS) <= set(vars(inner))
+    kdp.uninstall()
+    try:
+        assert not set(float32_views.ROUTED_METHODS) & set(vars(inner))
+        codes = [v for v in optimizer.variables if v.path.endswith("_codes")]
+        before = [np.array(v) for v in codes]
+        optimizer.apply([-grad], [weight])
+        # The wrapper routed its inner optimizer again, so the step went
+        # through its quantized state: the first moment's codes changed.
+        assert set(float32_views.ROUTED_METHODS) <= set(vars(inner))
+        assert any(
+            not np.array_equal(b, np.array(v))
+            for b, v in zip(before, codes, strict=True)
+        )
+        assert np.all(np.isfinite(np.array(weight, "float32")))
+    finally:
+        kdp.install()
