@@ -125,8 +125,9 @@ def low_precision_update_for_model(model):
         model: A Keras model.
 
     Returns:
-        A pair `(update, weight_dtype)`, such as `("kahan", "bfloat16")`,
-        or None.
+        A triple `(update, weight_dtype, state_dtype)`, such as
+        `("kahan", "bfloat16", None)` or
+        `("stochastic_rounding", "bfloat16", "8bit")`, or None.
     """
     for policy in _policies_in(model):
         policies = [policy]
@@ -135,20 +136,22 @@ def low_precision_update_for_model(model):
         for each in policies:
             entry = policy_names.LOW_PRECISION_UPDATE_POLICIES.get(each.name)
             if entry is not None:
-                weight_dtype, update = entry
-                return update, weight_dtype
+                weight_dtype, update, state_dtype = entry
+                return update, weight_dtype, state_dtype
     return None
 
 
-def wrap_low_precision(optimizer, update, weight_dtype):
+def wrap_low_precision(optimizer, update, weight_dtype, state_dtype=None):
     """Wraps `optimizer` in the `LowPrecisionOptimizer` a policy asks for.
 
-    Under float16 weights the optimizer state is kept in float32: a float16
-    second moment underflows for small gradients (see
+    A policy's own state dtype (`"8bit"` or `"4bit"`) is used as it is.
+    Otherwise, under float16 weights the optimizer state is kept in
+    float32: a float16 second moment underflows for small gradients (see
     `LowPrecisionOptimizer`). Under bfloat16 weights the state is bfloat16,
     as Keras keeps it.
     """
-    state_dtype = "float32" if weight_dtype == "float16" else None
+    if state_dtype is None and weight_dtype == "float16":
+        state_dtype = "float32"
     return LowPrecisionOptimizer(
         optimizer, update=update, state_dtype=state_dtype
     )

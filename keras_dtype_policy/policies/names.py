@@ -9,12 +9,23 @@ MIXED_POLICIES = {
 
 # Policies whose bfloat16 or float16 weights are trained with updates that
 # are not rounded away: the compile hook wraps the optimizer of a model with
-# one of them in a `LowPrecisionOptimizer` with this `update`.
+# one of them in a `LowPrecisionOptimizer` with this `update` and
+# `state_dtype` (None: the compile hook's default for the weight dtype).
 LOW_PRECISION_UPDATE_POLICIES = {
-    "kahan_bfloat16": ("bfloat16", "kahan"),
-    "stochastic_bfloat16": ("bfloat16", "stochastic_rounding"),
-    "kahan_float16": ("float16", "kahan"),
-    "stochastic_float16": ("float16", "stochastic_rounding"),
+    "kahan_bfloat16": ("bfloat16", "kahan", None),
+    "stochastic_bfloat16": ("bfloat16", "stochastic_rounding", None),
+    "kahan_float16": ("float16", "kahan", None),
+    "stochastic_float16": ("float16", "stochastic_rounding", None),
+    # The same with 8-bit block-wise optimizer state.
+    "kahan_bfloat16_8bit": ("bfloat16", "kahan", "8bit"),
+    "stochastic_bfloat16_8bit": ("bfloat16", "stochastic_rounding", "8bit"),
+    "kahan_float16_8bit": ("float16", "kahan", "8bit"),
+    "stochastic_float16_8bit": ("float16", "stochastic_rounding", "8bit"),
+    # The same with 4-bit block-wise optimizer state.
+    "kahan_bfloat16_4bit": ("bfloat16", "kahan", "4bit"),
+    "stochastic_bfloat16_4bit": ("bfloat16", "stochastic_rounding", "4bit"),
+    "kahan_float16_4bit": ("float16", "kahan", "4bit"),
+    "stochastic_float16_4bit": ("float16", "stochastic_rounding", "4bit"),
 }
 
 # Names that tf.keras 2.0 removed, with the policy that replaced them.
@@ -27,8 +38,9 @@ REMOVED_POLICIES = {
 
 ACCEPTED_FORMS = (
     "'mixed_float16', 'mixed_bfloat16', 'kahan_bfloat16', "
-    "'stochastic_bfloat16', 'kahan_float16', 'stochastic_float16', "
-    "or a dtype name such as "
+    "'stochastic_bfloat16', 'kahan_float16', 'stochastic_float16' (each "
+    "also with '_8bit' or '_4bit' optimizer state, such as "
+    "'stochastic_bfloat16_8bit'), or a dtype name such as "
     "'float32', 'float16', 'bfloat16', 'float64', 'int32' or 'bool'"
 )
 

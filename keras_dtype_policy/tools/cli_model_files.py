@@ -22,7 +22,10 @@ def add_inspect(commands):
         "(which needs TensorFlow), and show every layer's path, class, "
         "policy, "
         "compute and variable dtype, parameters and their bytes, and the "
-        "optimizer's loss-scale settings and state.",
+        "optimizer's loss-scale settings and state, and the update and "
+        "state dtype of a LowPrecisionOptimizer with its bytes a parameter. "
+        "For a Keras weights file (.weights.h5) with optimizer state, show "
+        "that state as its stored variables tell it.",
     )
     inspect.add_argument(
         "model",
@@ -72,12 +75,19 @@ def run_inspect(args):
     """Runs `inspect`: prints the report of a saved model."""
     from keras_dtype_policy.tf_keras_compat.keras_files import ModelFileError
     from keras_dtype_policy.tools import model_report
+    from keras_dtype_policy.tools import weights_file_state
 
     import_modules(args.imports)
     try:
         report = model_report.build_report(args.model)
     except ModelFileError as error:
-        raise CommandError(with_hint(error)) from None
+        # A weights file of Keras 3 holds no model, but its optimizer
+        # state can be told from the stored variables.
+        report = weights_file_state.build_report(args.model)
+        if report is None:
+            raise CommandError(with_hint(error)) from None
+        print_report(report, weights_file_state.format_report, args.json)
+        return
     print_report(report, model_report.format_report, args.json)
 
 

@@ -13,6 +13,7 @@ from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tools import state_memory
 from keras_dtype_policy.tools.tables import format_bytes
 from keras_dtype_policy.tools.tables import format_table
 from keras_dtype_policy.tools.tables import wrap
@@ -115,8 +116,10 @@ def optimizer_info(model):
 
     Returns:
         None for a model without optimizer, else a dict: `class`,
-        `inner_class`, `learning_rate`, `iterations`, and `loss_scaling`:
-        None without loss scaling, else `settings` and `state` dicts.
+        `inner_class`, `learning_rate`, `iterations`, `loss_scaling`:
+        None without loss scaling, else `settings` and `state` dicts, and
+        `low_precision`: None without a `LowPrecisionOptimizer`, else its
+        update and state dtype (see `state_memory.low_precision_state`).
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -129,12 +132,16 @@ def optimizer_info(model):
             "settings": _loss_scale_settings(optimizer),
             "state": _loss_scale_state(optimizer),
         }
+    parameters = sum(_size(w) for w in model.weights)
     return {
         "class": public_class_name(optimizer),
         "inner_class": public_class_name(inner),
         "learning_rate": _number(inner.learning_rate),
         "iterations": int(_number(optimizer.iterations)),
         "loss_scaling": scaling,
+        "low_precision": state_memory.low_precision_state(
+            optimizer, parameters
+        ),
     }
 
 
@@ -229,6 +236,7 @@ def format_optimizer(info):
         f"  learning rate {info['learning_rate']:g}, "
         f"{info['iterations']} iterations",
     ]
+    lines += format_low_precision(info.get("low_precision"))
     scaling = info["loss_scaling"]
     if scaling is None:
         lines.append("  loss scaling: none")
@@ -246,6 +254,23 @@ def format_optimizer(info):
         for key, value in scaling["state"].items()
     ]
     lines += format_table(("", "name", "value"), rows, indent="  ", align="llr")
+    return lines
+
+
+def format_low_precision(state):
+    """Returns the lines on a `LowPrecisionOptimizer`'s update and state."""
+    if state is None:
+        return []
+    state_dtype = state["state_dtype"] or "each weight's dtype"
+    line = f"  low-precision updates: {state['update']}, state {state_dtype}"
+    if state["quantized_slots"]:
+        line += f" ({state['quantized_slots']} slots as codes)"
+    lines = [line]
+    per_parameter = state["state_bytes_per_parameter"]
+    if per_parameter is not None:
+        lines.append(
+            f"  optimizer state: {per_parameter:.2f} bytes a parameter"
+        )
     return lines
 
 

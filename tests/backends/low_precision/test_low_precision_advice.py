@@ -2,10 +2,12 @@
 updates where they fit: training that runs out of memory, on devices that
 compute bfloat16 fast.
 
-The rule is checked on made-up devices; `doctor` on this machine's real
-devices, whichever they are (the advice appears exactly where the rule
-says). The demo's line is checked in `test_cli.py`, whose demo run already
-prints doctor's advice.
+The advice names 8-bit and 4-bit optimizer state with their bytes a
+parameter (`state_memory` computes them; checked here against the figures
+worked out by hand). The rule is checked on made-up devices; `doctor` on
+this machine's real devices, whichever they are (the advice appears
+exactly where the rule says). The demo's line is checked in `test_cli.py`,
+whose demo run already prints doctor's advice.
 """
 
 import json
@@ -22,6 +24,7 @@ from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.hardware import Device
 from keras_dtype_policy.tools import advice
 from keras_dtype_policy.tools import doctor
+from keras_dtype_policy.tools import state_memory
 
 BACKEND = keras.backend.backend()
 
@@ -46,6 +49,11 @@ def test_the_advice_fits_where_bfloat16_is_fast(devices, fits):
         return
     assert "'kahan_bfloat16'" in line and "kdp.LowPrecisionOptimizer" in line
     assert "8 bytes a parameter instead of mixed precision's 12" in line
+    assert (
+        "8-bit optimizer state takes 4.03 ('stochastic_bfloat16_8bit'" in line
+    )
+    assert "state_dtype='8bit'" in line
+    assert "4-bit state 3.06 ('stochastic_bfloat16_4bit')" in line
     assert "docs/low-precision-training.md" in line
     assert advice.demo_choice(devices, BACKEND).low_precision == line
 
@@ -83,3 +91,23 @@ def test_doctor_json_carries_the_advice():
     result = run_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["low_precision"] == expected
+
+
+@pytest.mark.parametrize(
+    "weight_dtype, update, state_dtype, expected",
+    [
+        ("float32", None, None, 12.0),  # mixed_bfloat16 with Adam
+        ("bfloat16", "kahan", None, 8.0),
+        ("bfloat16", "stochastic_rounding", None, 6.0),
+        ("bfloat16", "kahan", "8bit", 6.0 + 2 * 4 / 256),
+        ("bfloat16", "stochastic_rounding", "8bit", 4.0 + 2 * 4 / 256),
+        ("bfloat16", "kahan", "4bit", 5.0 + 2 * 4 / 128),
+        ("bfloat16", "stochastic_rounding", "4bit", 3.0 + 2 * 4 / 128),
+        ("float16", "kahan", "float32", 12.0),
+    ],
+)
+def test_bytes_per_parameter(weight_dtype, update, state_dtype, expected):
+    found = state_memory.adam_bytes_per_parameter(
+        weight_dtype, update, state_dtype
+    )
+    assert found == expected
