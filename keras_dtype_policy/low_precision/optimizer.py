@@ -25,13 +25,16 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     `update` says (float32 weights get the inner optimizer's own update).
     The compile hook installs it for the `"kahan_bfloat16"`,
     `"stochastic_bfloat16"`, `"kahan_float16"` and `"stochastic_float16"`
-    policies. docs/low-precision-training.md says how it works, what it
-    supports and what it costs.
+    policies, and with 8-bit or 4-bit state for the same names ending in
+    `"_8bit"` or `"_4bit"`. docs/low-precision-training.md says how it
+    works, what it supports and what it costs.
 
     Args:
         inner_optimizer: The unbuilt `keras.optimizers.Optimizer` to wrap.
         update: `"kahan"` (default), `"stochastic_rounding"` or `"nearest"`.
-        state_dtype: The optimizer state's dtype; None for each weight's.
+        state_dtype: The optimizer state's dtype: None for each weight's,
+            `"float32"`, `"bfloat16"`, `"float16"`, or `"8bit"` / `"4bit"`
+            for block-wise quantized state.
         seed: An int seeding the random rounding; None draws one.
         name: The optimizer's name.
 
