@@ -31,6 +31,8 @@ import numpy as np
 
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import random_bits
+from keras_dtype_policy.low_precision import torch_codes
+from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 # The most elements one group's float32 working tensors cover.
 GROUP_ELEMENTS = 2**20
@@ -58,8 +60,6 @@ def can_batch(wrapper):
     if cls.__name__ not in _BATCHED_CLASSES:
         return False
     if inner.gradient_accumulation_steps or inner.use_ema:
-        return False
-    if wrapper._targets.quantized_slots:
         return False
     return _slots_by_variable(wrapper) is not None
 
@@ -89,8 +89,9 @@ def batched_apply(wrapper, grads, variables, learning_rate):
             plain.append(variable)
             continue
         size = _elements(variable)
-        for start in range(0, max(size, 1), GROUP_ELEMENTS):
-            stop = min(start + GROUP_ELEMENTS, size)
+        length = _piece_length(slots[id(variable)])
+        for start in range(0, max(size, 1), length):
+            stop = min(start + length, size)
             pieces.append(_Piece(view, grad, slots[id(variable)], start, stop))
     if plain:
         _inner_update(inner, plain_grads, plain, learning_rate)
@@ -107,6 +108,16 @@ def batched_apply(wrapper, grads, variables, learning_rate):
         filled += piece.size
     if group:
         _update_pieces(wrapper, group, learning_rate, noise)
+
+
+def _piece_length(slots):
+    """`GROUP_ELEMENTS`, rounded down to whole blocks where a slot of the
+    weight is quantized (never below one block)."""
+    blocks = [s.code.block for s in slots if isinstance(s, QuantizedSlot)]
+    if not blocks:
+        return GROUP_ELEMENTS
+    block = max(blocks)
+    return max(GROUP_ELEMENTS // block, 1) * block
 
 
 class _Piece:
@@ -137,7 +148,7 @@ def _update_pieces(wrapper, group, learning_rate, noise):
     import torch
 
     arena = _Arena(wrapper, group)
-    swapped, views, grads = [], [], []
+    swapped, coded, views, grads = [], [], [], []
     try:
         for piece in group:
             view = piece.view
@@ -157,6 +168,9 @@ def _update_pieces(wrapper, group, learning_rate, noise):
                 grad = arena.take(piece.size).copy_(grad)
             grads.append(grad)
             for slot in piece.slots:
+                if isinstance(slot, QuantizedSlot):
+                    coded.append((piece, slot, _read_codes(piece, slot, arena)))
+                    continue
                 stored = slot._value
                 flat = piece.flat(stored)
                 if flat.dtype != torch.float32:
@@ -175,9 +189,13 @@ def _update_pieces(wrapper, group, learning_rate, noise):
                 flat.copy_(slot._value)
             else:
                 store_rounded(flat, slot._value, noise, arena.sum_space)
+        for piece, slot, working in coded:
+            _write_codes(piece, slot, working, arena, noise)
     finally:
         for view in views:
             view.working = None
+        for _, slot, _ in coded:
+            slot.working = None
         for slot, stored, _ in swapped:
             slot._value = stored
 
@@ -194,19 +212,23 @@ class _Arena:
         import torch
 
         targets = wrapper._targets
-        needed = sum(piece.size * (3 + len(piece.slots)) for piece in group)
+        needed = sum(_piece_space(piece) for piece in group)
         largest = max(piece.size for piece in group)
+        coded = max(_padded(piece) for piece in group)
+        scratch = torch_codes.SCRATCH_TENSORS if coded else 0
+        total = needed + largest + scratch * coded
         space = getattr(targets, "arena", None)
         device = group[0].view.weight._value.device
-        if (
-            space is None
-            or space.numel() < needed + largest
-            or space.device != device
-        ):
-            space = torch.empty(needed + largest, device=device)
+        if space is None or space.numel() < total or space.device != device:
+            space = torch.empty(total, device=device)
             targets.arena = space
         self.space = space
         self.sum_space = space[needed : needed + largest]
+        start = needed + largest
+        self.code_space = [
+            space[start + i * coded : start + (i + 1) * coded]
+            for i in range(scratch)
+        ]
         self.used = 0
 
     def take(self, size):
@@ -214,6 +236,70 @@ class _Arena:
         taken = self.space[self.used : self.used + size]
         self.used += size
         return taken
+
+
+def _blocks(piece, slot):
+    """The blocks of `slot` that `piece` covers: `(first, stop)`."""
+    block = slot.code.block
+    return piece.start // block, -(-piece.stop // block)
+
+
+def _read_codes(piece, slot, arena):
+    """Dequantizes `piece`'s blocks of `slot` into arena space, which the
+    slot reads as its value (its piece's elements) until written back.
+    Returns that space, padding included."""
+    first, stop = _blocks(piece, slot)
+    working = arena.take((stop - first) * slot.code.block)
+    torch_codes.dequantize(
+        working,
+        slot.codes._value[first:stop],
+        slot.scales._value[first:stop],
+        slot.code,
+        arena.code_space[0],
+    )
+    slot.working = working[: piece.size]
+    return working
+
+
+def _write_codes(piece, slot, working, arena, noise):
+    """Quantizes the updated `working` space back into `slot`'s codes."""
+    first, stop = _blocks(piece, slot)
+    # The padding of a weight's last block is stored as zeros.
+    working[piece.size :].zero_()
+    torch_codes.quantize(
+        working,
+        slot.codes._value[first:stop],
+        slot.scales._value[first:stop],
+        slot.code,
+        arena.code_space,
+        noise,
+    )
+
+
+def _piece_space(piece):
+    """Arena elements a piece takes: its weight, compensation and gradient,
+    and each slot (a quantized one with its padding)."""
+    slots = sum(
+        _padded(piece, slot) if isinstance(slot, QuantizedSlot) else piece.size
+        for slot in piece.slots
+    )
+    return 3 * piece.size + slots
+
+
+def _padded(piece, slot=None):
+    """Elements of `piece`'s blocks of `slot` (of its quantized slots with
+    the largest block, for None; 0 where it has none)."""
+    if slot is None:
+        return max(
+            (
+                _padded(piece, s)
+                for s in piece.slots
+                if isinstance(s, QuantizedSlot)
+            ),
+            default=0,
+        )
+    first, stop = _blocks(piece, slot)
+    return (stop - first) * slot.code.block
 
 
 def _has_fused_adam(inner):

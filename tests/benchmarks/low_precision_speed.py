@@ -13,7 +13,11 @@ under each configuration, the configurations taking turns in one process
   the package's policies, the optimizer the compile hook installs;
 - mixed_bfloat16_state: mixed_bfloat16 with Adam's moments in bfloat16
   (`LowPrecisionOptimizer(update="stochastic_rounding",
-  state_dtype="bfloat16")`).
+  state_dtype="bfloat16")`);
+- quantized state: Adam's moments as 8-bit (or 4-bit) block codes,
+  `LowPrecisionOptimizer(Adam, update=..., state_dtype="8bit")`, under
+  stochastic_bfloat16 (`+8bit`, `+4bit`), kahan_bfloat16 (`+8bit`) and
+  mixed_bfloat16 (float32 weights; `+8bit`, `+4bit`).
 
 Reported: seconds a step (median of the rounds) and the ratio to
 mixed_bfloat16's and to plain bfloat16's. The issue's targets (<= 1.10
@@ -40,6 +44,22 @@ LEARNING_RATE = 1e-4
 MIXED = "mixed_bfloat16"
 PLAIN = "bfloat16"
 STATE = "mixed_bfloat16_state"
+# Quantized state: configuration -> (policy, update, state dtype).
+QUANTIZED = {
+    "stochastic_bfloat16+8bit": (
+        "stochastic_bfloat16",
+        "stochastic_rounding",
+        "8bit",
+    ),
+    "kahan_bfloat16+8bit": ("kahan_bfloat16", "kahan", "8bit"),
+    "mixed_bfloat16+8bit": (MIXED, "stochastic_rounding", "8bit"),
+    "stochastic_bfloat16+4bit": (
+        "stochastic_bfloat16",
+        "stochastic_rounding",
+        "4bit",
+    ),
+    "mixed_bfloat16+4bit": (MIXED, "stochastic_rounding", "4bit"),
+}
 CONFIGURATIONS = (
     MIXED,
     PLAIN,
@@ -49,6 +69,7 @@ CONFIGURATIONS = (
     "mixed_float16",
     "kahan_float16",
     "stochastic_float16",
+    *QUANTIZED,
 )
 TARGETS = {"over_mixed": 1.10, "goal_over_mixed": 1.00, "over_plain": 1.05}
 
@@ -68,11 +89,18 @@ def residual_mlp(blocks=BLOCKS, width=WIDTH, hidden=HIDDEN):
 def build(name, initial):
     """Returns the model of one configuration, compiled as a user would."""
     policy = MIXED if name == STATE else name
+    if name in QUANTIZED:
+        policy = QUANTIZED[name][0]
     with policy_scope(policy):
         model = residual_mlp()
     model.set_weights(initial)
     optimizer = keras.optimizers.Adam(LEARNING_RATE)
-    if name == STATE:
+    if name in QUANTIZED:
+        _, update, state_dtype = QUANTIZED[name]
+        optimizer = kdp.LowPrecisionOptimizer(
+            optimizer, update=update, state_dtype=state_dtype, seed=0
+        )
+    elif name == STATE:
         optimizer = kdp.LowPrecisionOptimizer(
             optimizer,
             update="stochastic_rounding",

@@ -130,3 +130,210 @@ def test_tensorflow_compiles_the_step_once(monkeypatch):
     assert len(steps) == 1
     (step,) = steps.values()
     assert step.experimental_get_tracing_count() == 1
+
+
+# Quantized state: weights of several pieces (GROUP_ELEMENTS made small)
+# whose last block is padded (67 * 73 is no multiple of 256 or 128).
+QUANTIZED_SHAPES = [(67, 73), (64, 128), (9,)]
+QUANTIZED_OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "rmsprop", "lion")
+
+
+def train_quantized(name, fused, monkeypatch, state_dtype, update, steps=4):
+    """Returns the weights (float32) and each quantized slot's codes and
+    scales after `steps` steps of bfloat16 and float32 weights."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_step, "GROUP_ELEMENTS", 1000)
+        if not fused:
+            patch.setattr(torch_step, "can_batch", lambda wrapper: False)
+        rng = np.random.default_rng(0)
+        weights = [
+            keras.Variable(rng.normal(size=s).astype("float32"), dtype=d)
+            for s in QUANTIZED_SHAPES
+            for d in ("bfloat16", "float32")
+        ]
+        optimizer = LowPrecisionOptimizer(
+            OPTIMIZERS[name](), update=update, state_dtype=state_dtype, seed=1
+        )
+        for _ in range(steps):
+            grads = [
+                keras.ops.convert_to_tensor(
+                    rng.normal(size=w.shape).astype("float32"), w.dtype
+                )
+                for w in weights
+            ]
+            optimizer.apply(grads, weights)
+            assert torch_step.can_batch(optimizer) == fused
+    slots = optimizer._targets.quantized_slots.values()
+    codes = [(to_numpy(s.codes), to_numpy(s.scales)) for s in slots]
+    return [as_float32(w) for w in weights], codes
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+@pytest.mark.parametrize("state_dtype", ["8bit", "4bit"])
+@pytest.mark.parametrize("name", QUANTIZED_OPTIMIZERS)
+def test_torch_batches_quantized_state_as_the_general_path(
+    name, state_dtype, monkeypatch
+):
+    # Rounded to nearest, both paths quantize with the same arithmetic
+    # (`torch_codes` is `block_codes` bit for bit, tested below); only the
+    # update's own arithmetic differs in the last place (torch's fused
+    # Adam kernel, `_parallel_update_step`, against Keras' ops), which
+    # moves a scale by an ulp and could move a code to its neighbour.
+    fused, fused_codes = train_quantized(
+        name, True, monkeypatch, state_dtype, "nearest"
+    )
+    general, general_codes = train_quantized(
+        name, False, monkeypatch, state_dtype, "nearest"
+    )
+    assert len(fused_codes) == len(general_codes) > 0
+    for (codes, scales), (codes_, scales_) in zip(
+        fused_codes, general_codes, strict=True
+    ):
+        assert np.mean(codes != codes_) <= 1e-3
+        np.testing.assert_allclose(scales, scales_, rtol=1e-5)
+    for index, (a, b) in enumerate(zip(fused, general, strict=True)):
+        if index % 2 == 1:  # float32 weights
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        elif name != "adamw":
+            # One bfloat16 ulp; AdamW's general path rounds the decayed
+            # weight before the update, the batched one only after it.
+            np.testing.assert_allclose(a, b, rtol=2**-7)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+@pytest.mark.parametrize("state_dtype", ["8bit", "4bit"])
+def test_torch_batches_stochastic_quantized_state_alike(
+    state_dtype, monkeypatch
+):
+    # Other random bits on each path: the same distribution, so the
+    # weights agree on average to the state's precision, not bit for bit
+    # (a 4-bit second moment near its block's lowest level can round to
+    # levels 16x apart, so single elements may differ by a full step).
+    fused, fused_codes = train_quantized(
+        "adam", True, monkeypatch, state_dtype, "stochastic_rounding"
+    )
+    general, general_codes = train_quantized(
+        "adam", False, monkeypatch, state_dtype, "stochastic_rounding"
+    )
+    for a, b in zip(fused, general, strict=True):
+        # The bfloat16 state test's bound, but for a few elements.
+        assert np.mean(np.abs(a - b) > 0.05 * np.abs(b) + 0.02) < 1e-3
+        assert np.mean(np.abs(a - b)) < 0.01
+    for (_, scales), (_, scales_) in zip(
+        fused_codes, general_codes, strict=True
+    ):
+        # Block by block a 4-bit momentum's scale moves by its coarse
+        # levels (up to 2/7 of the scale); on average it agrees.
+        np.testing.assert_allclose(np.mean(scales), np.mean(scales_), rtol=0.05)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+def test_torch_batches_a_weight_larger_than_a_group(monkeypatch):
+    # 1025 * 1031 elements: two pieces of the real GROUP_ELEMENTS, the
+    # second ending in a padded block.
+    results = []
+    for fused in (True, False):
+        rng = np.random.default_rng(0)
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(torch_step, "can_batch", lambda wrapper: False)
+            weight = keras.Variable(
+                rng.normal(size=(1025, 1031)).astype("float32"), "bfloat16"
+            )
+            optimizer = LowPrecisionOptimizer(
+                keras.optimizers.Adam(1e-2),
+                update="nearest",
+                state_dtype="8bit",
+            )
+            grad = rng.normal(size=weight.shape).astype("float32")
+            for _ in range(2):
+                optimizer.apply([keras.ops.cast(grad, "bfloat16")], [weight])
+        slots = optimizer._targets.quantized_slots.values()
+        results.append([to_numpy(s.codes) for s in slots])
+    for codes, codes_ in zip(*results, strict=True):
+        assert np.mean(codes != codes_) <= 1e-4
+
+
+def coded_values(code, blocks, rng):
+    """Values of every kind a block meets: scales far apart, zeros, a
+    block of zeros, negatives in an unsigned slot, infinities, NaN."""
+    values = rng.normal(size=(blocks, code.block)).astype("float32")
+    values *= rng.lognormal(0.0, 5.0, size=(blocks, 1)).astype("float32")
+    if not code.signed:
+        values = values**2
+        values[2, 5] = -values[2, 5]
+    values[0] = 0.0
+    values[1, ::3] = 0.0
+    values[3, 7] = np.inf
+    values[4, 9] = np.nan
+    values[5, 11] = -np.inf
+    return values.reshape(-1)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("signed", [True, False])
+def test_torch_codes_are_block_codes_bit_for_bit(bits, signed):
+    import torch
+
+    from keras_dtype_policy.low_precision import block_codes
+    from keras_dtype_policy.low_precision import torch_codes
+
+    code = block_codes.code_for(bits, signed)
+    values = torch.from_numpy(coded_values(code, 40, np.random.default_rng(0)))
+    finite = torch.where(torch.isfinite(values), values, 0.0)
+    # With an infinity or NaN a piece goes through block_codes itself.
+    for given in (values, finite):
+        expected = block_codes.quantize(given, code)
+        codes = torch.empty_like(expected[0])
+        scales = torch.empty_like(expected[1])
+        scratch = [
+            torch.empty(given.numel())
+            for _ in range(torch_codes.SCRATCH_TENSORS)
+        ]
+        torch_codes.quantize(given.clone(), codes, scales, code, scratch)
+        np.testing.assert_array_equal(codes.numpy(), expected[0].numpy())
+        np.testing.assert_array_equal(
+            scales.numpy().view("int32"), expected[1].numpy().view("int32")
+        )
+        out = torch.empty(given.numel())
+        torch_codes.dequantize(out, codes, scales, code, scratch[0])
+        dequantized = block_codes.dequantize(codes, scales, code)
+        np.testing.assert_array_equal(
+            out.numpy().view("int32"), dequantized.numpy().view("int32")
+        )
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("signed", [True, False])
+def test_torch_codes_round_stochastically_without_bias(bits, signed):
+    import torch
+
+    from keras_dtype_policy.low_precision import block_codes
+    from keras_dtype_policy.low_precision import random_bits
+    from keras_dtype_policy.low_precision import torch_codes
+
+    code = block_codes.code_for(bits, signed)
+    # Each block: one 1.0 (its scale) and values between two levels.
+    blocks = 64
+    values = torch.full((blocks * code.block,), 0.3)
+    values[:: code.block] = 1.0
+    noise = random_bits.TorchNoise(3)
+    codes = torch.empty((blocks, code.bytes_per_block), dtype=torch.int8)
+    scales = torch.empty(blocks)
+    scratch = [
+        torch.empty(values.numel()) for _ in range(torch_codes.SCRATCH_TENSORS)
+    ]
+    total = torch.zeros(values.numel())
+    out = torch.empty(values.numel())
+    rounds = 20
+    for _ in range(rounds):
+        torch_codes.quantize(
+            values.clone(), codes, scales, code, scratch, noise
+        )
+        torch_codes.dequantize(out, codes, scales, code, scratch[0])
+        total += out
+    mean = float((total / rounds).reshape(blocks, -1)[:, 1:].mean())
+    # About 160,000 draws, each off by at most a level gap (< 0.3).
+    assert abs(mean - 0.3) < 3e-3

@@ -1,0 +1,189 @@
+"""Block codes on torch: in-place dequantize and quantize of a piece.
+
+The batched torch step (`torch_step`) reads a piece of a quantized slot
+into float32 working space, lets the update run there, and writes it back
+as codes. This module does both ends with in-place torch operations into
+space the caller owns, one kernel an operation and no allocation of the
+piece's size, computing exactly what `block_codes` computes: the same
+float32 operations in the same order, so rounding to nearest gives the
+same codes and scales bit for bit, and stochastic rounding the same
+distribution (its bits come from a `random_bits.TorchNoise`). A piece
+with an infinity or a NaN goes through `block_codes.quantize` itself.
+
+torch is imported inside functions, only once Keras runs on it.
+"""
+
+import numpy as np
+
+from keras_dtype_policy.low_precision import block_codes
+
+# How many float32 scratch tensors of a piece's size `quantize` needs.
+SCRATCH_TENSORS = 4
+
+
+def dequantize(out, codes, scales, code, scratch):
+    """Writes the float32 values `(codes, scales)` stand for into `out`.
+
+    Args:
+        out: A flat float32 torch tensor of `blocks * code.block` elements.
+        codes: The int8 codes, shape `(blocks, code.bytes_per_block)`.
+        scales: The float32 scales, shape `(blocks,)`.
+        code: The `block_codes.Code`.
+        scratch: A flat float32 torch tensor of at least `out`'s size.
+    """
+    import torch
+
+    if code.bits == 4:
+        _unpack(out, codes, code)
+    else:
+        out.copy_(codes.reshape(-1))
+        if not code.signed:
+            # The unsigned index is the code + 128; the level's is + 1.
+            out.add_(129.0)
+    if code.signed:
+        # sign(k) * (|k| / n)**2, as `t * |t|` with t = k / n.
+        out.mul_(1.0 / code.levels)
+        magnitude = scratch[: out.numel()]
+        torch.abs(out, out=magnitude)
+        out.mul_(magnitude)
+    else:
+        if code.bits == 4:
+            out.add_(1.0)
+        out.mul_(1.0 / code.levels)
+        out.mul_(out)
+        out.mul_(out)
+    out.view(-1, code.block).mul_(scales[:, None])
+
+
+def quantize(values, codes, scales, code, scratch, noise=None):
+    """Writes `values` as codes and scales; `values` is overwritten.
+
+    Args:
+        values: A flat float32 torch tensor of `blocks * code.block`
+            elements (its padding zeros).
+        codes: The int8 torch tensor to write, `(blocks, bytes)`.
+        scales: The float32 torch tensor to write, `(blocks,)`.
+        code: The `block_codes.Code`.
+        scratch: `SCRATCH_TENSORS` flat float32 torch tensors of at least
+            `values`' size.
+        noise: A `random_bits.TorchNoise` for stochastic rounding; None
+            rounds to nearest.
+    """
+    import torch
+
+    size = values.numel()
+    relative, index, level, high = (s[:size] for s in scratch)
+    # The largest magnitude of each block (of each positive value for an
+    # unsigned code). Infinities and NaN make a scale non-finite: such a
+    # piece takes `block_codes`' own path, which leaves them out.
+    if code.signed:
+        torch.abs(values, out=relative)
+    else:
+        torch.clamp(values, min=0.0, out=relative)
+    torch.amax(relative.view(-1, code.block), 1, out=scales)
+    if not bool(torch.isfinite(scales).all()):
+        _quantize_in_general(values, codes, scales, code, noise)
+        return
+    if not code.signed:
+        scales.add_(0.0)  # -0.0 (a block of no positive value) to 0.0.
+    safe = torch.where(scales > 0.0, scales, 1.0)
+    relative.view(-1, code.block).div_(safe[:, None])
+    # The level below (`block_codes._level_below`).
+    torch.sqrt(relative, out=index)
+    if not code.signed:
+        index.sqrt_()
+    index.mul_(float(code.levels))
+    index.floor_()
+    if code.signed:
+        index.clamp_(0.0, code.levels - 1.0)
+    else:
+        index.sub_(1.0)
+        index.clamp_(0.0, code.levels - 2.0)
+    # fraction = (relative - low) / max(high - low, 1e-30), in relative.
+    _level(index, 0.0, code, level)
+    _level(index, 1.0, code, high)
+    high.sub_(level)
+    high.clamp_(min=1e-30)
+    relative.sub_(level)
+    relative.div_(high)
+    if noise is None:
+        relative.ge_(0.5)
+    else:
+        # (bits + 0.5) / 65536 for 16 random bits an element.
+        _uniform(noise, level)
+        relative.ge_(level)
+    index.add_(relative)
+    if code.signed:
+        index.copysign_(values)
+    if code.bits == 4:
+        _pack(index, codes, code, relative)
+    else:
+        if not code.signed:
+            index.sub_(128.0)
+        codes.view(-1).copy_(index)
+
+
+def _level(index, offset, code, out):
+    """`block_codes._level(index + offset)` into `out`."""
+    import torch
+
+    if code.signed:
+        if offset:
+            torch.add(index, offset, out=out)
+            out.mul_(1.0 / code.levels)
+        else:
+            torch.mul(index, 1.0 / code.levels, out=out)
+        out.mul_(out)
+        return
+    torch.add(index, 1.0 + offset, out=out)
+    out.mul_(1.0 / code.levels)
+    out.mul_(out)
+    out.mul_(out)
+
+
+def _uniform(noise, out):
+    """`(bits + 0.5) / 65536` for 16 random bits an element, into `out`."""
+    size = out.numel()
+    if noise.device.type == "cpu":
+        np.copyto(out.numpy(), noise.uint16(size), casting="unsafe")
+    else:
+        out.copy_(noise.int32(size))
+    out.add_(0.5)
+    out.mul_(1.0 / 65536.0)
+
+
+def _unpack(out, codes, code):
+    """Two 4-bit indices a byte (the even element low) into `out`."""
+    import torch
+
+    # The byte is the code + 128: the int8's bits with the top bit flipped.
+    byte = torch.bitwise_xor(codes.reshape(-1).view(torch.uint8), 128)
+    pairs = out.view(-1, 2)
+    pairs[:, 0].copy_(torch.bitwise_and(byte, 15))
+    pairs[:, 1].copy_(torch.bitwise_right_shift(byte, 4))
+    if code.signed:
+        out.sub_(float(code.levels))
+
+
+def _pack(index, codes, code, space):
+    """Packs float `index` (even element low) into the int8 `codes`."""
+    import torch
+
+    if code.signed:
+        index.add_(float(code.levels))
+    pairs = index.view(-1, 2)
+    packed = space[: pairs.shape[0]]
+    torch.mul(pairs[:, 1], 16.0, out=packed)
+    packed.add_(pairs[:, 0])
+    packed.sub_(128.0)
+    codes.view(-1).copy_(packed)
+
+
+def _quantize_in_general(values, codes, scales, code, noise):
+    """`block_codes.quantize` of a piece holding an infinity or a NaN."""
+    seed = None
+    if noise is not None:
+        seed = int(noise.int32(2).sum()) & 0x7FFFFFFF
+    new_codes, new_scales = block_codes.quantize(values, code, seed)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
