@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 VOCABULARY = 64
 LENGTH = 16
@@ -53,6 +54,7 @@ CONFIGURATIONS = (
     "kahan_bfloat16",
     "stochastic_bfloat16",
     "mixed_bfloat16_state",
+    "stochastic_bfloat16_8bit",
 )
 
 
@@ -115,6 +117,11 @@ def _train(configuration, build, initial, batches):
             state_dtype="bfloat16",
             seed=0,
         )
+    elif configuration == "stochastic_bfloat16_8bit":
+        policy = "stochastic_bfloat16"
+        optimizer = kdp.LowPrecisionOptimizer(
+            optimizer, update="stochastic_rounding", state_dtype="8bit", seed=0
+        )
     keras.utils.set_random_seed(0)
     with kdp.policy_scope(policy):
         model = build()
@@ -125,12 +132,16 @@ def _train(configuration, build, initial, batches):
     # The policy may wrap the optimizer in `compile`: reset what it holds.
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
-    fresh = [keras.ops.convert_to_numpy(v) for v in optimizer.variables]
+    # A quantized slot is reset through its codes and scales, which are
+    # variables of their own: writing the slot would leave its float32
+    # value behind, read as a constant by the next compiled step.
+    state = [v for v in optimizer.variables if not isinstance(v, QuantizedSlot)]
+    fresh = [keras.ops.convert_to_numpy(v) for v in state]
     losses = []
     for weights, (x, y, x_test, y_test) in zip(initial, batches, strict=True):
         for variable, value in zip(model.weights, weights, strict=True):
             variable.assign(keras.ops.cast(value, variable.dtype))
-        for variable, value in zip(optimizer.variables, fresh, strict=True):
+        for variable, value in zip(state, fresh, strict=True):
             variable.assign(value)
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
         scores = model.evaluate(

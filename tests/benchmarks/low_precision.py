@@ -35,10 +35,13 @@ low_precision` (add `--quick` for a smoke run).
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
 
+import types
+
 import keras
 import numpy as np
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 from keras_dtype_policy.policies.global_policy import policy_scope
 from tests.benchmarks import low_precision_tasks as tasks
 from tests.benchmarks import measure
@@ -51,6 +54,11 @@ NEAREST = "bfloat16_float32_state"
 KAHAN = "bfloat16_kahan"
 STOCHASTIC = "bfloat16_stochastic"
 STATE = "mixed_bfloat16_state"
+STOCHASTIC_FLOAT32 = "bfloat16_stochastic_float32_state"
+STOCHASTIC_8BIT = "bfloat16_stochastic_8bit"
+KAHAN_8BIT = "bfloat16_kahan_8bit"
+MIXED_8BIT = "mixed_bfloat16_8bit"
+STOCHASTIC_4BIT = "bfloat16_stochastic_4bit"
 # name: (policy, LowPrecisionOptimizer arguments or None for bare Adam).
 CONFIGURATIONS = {
     "float32": ("float32", None),
@@ -69,16 +77,42 @@ CONFIGURATIONS = {
         "mixed_bfloat16",
         {"update": "stochastic_rounding", "state_dtype": "bfloat16", "seed": 0},
     ),
+    STOCHASTIC_FLOAT32: (
+        "bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "float32", "seed": 0},
+    ),
+    STOCHASTIC_8BIT: (
+        "bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "8bit", "seed": 0},
+    ),
+    KAHAN_8BIT: ("bfloat16", {"update": "kahan", "state_dtype": "8bit"}),
+    MIXED_8BIT: (
+        "mixed_bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "8bit", "seed": 0},
+    ),
+    STOCHASTIC_4BIT: (
+        "bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "4bit", "seed": 0},
+    ),
 }
 COMPENSATED = (KAHAN, STOCHASTIC)
-# Targets of issue #26.
+# Checked against mixed_bfloat16's quality (issues #26 and #33).
+QUALITY = (
+    *COMPENSATED,
+    STOCHASTIC_FLOAT32,
+    STOCHASTIC_8BIT,
+    KAHAN_8BIT,
+    MIXED_8BIT,
+    STOCHASTIC_4BIT,
+)
+# Targets of issues #26 and #33.
 TARGETS = {
     # Held-out loss over mixed_bfloat16's, at most 1 + this.
     "relative_loss": 0.01,
     # Accuracy points below mixed_bfloat16's, at most.
     "accuracy_points": 0.5,
     # Bytes of weights and optimizer state over mixed_bfloat16's.
-    "memory": {KAHAN: 0.67, STOCHASTIC: 0.5},
+    "memory": {KAHAN: 0.67, STOCHASTIC: 0.5, STOCHASTIC_8BIT: 0.35},
     # Step time over plain bfloat16's.
     "step_time": 1.10,
 }
@@ -88,6 +122,10 @@ QUICK_STEPS = {"digits": 20, "char_lm": 10, "regression": 20}
 LEARNING_RATES = {"digits": 1e-4, "char_lm": 1e-3, "regression": 1e-4}
 FULL_CHUNKS = 10
 QUICK_CHUNKS = 2
+
+
+# What a quantized slot's own storage takes (it stands for its codes).
+_SCALAR = types.SimpleNamespace(shape=(), dtype="float32")
 
 
 def available():
@@ -151,19 +189,30 @@ def memory_row(model):
     """Returns the bytes of the model's weights and optimizer state.
 
     `state_bytes` counts the optimizer variables shaped as a weight (the
-    state that grows with the model: moments, compensation buffers);
-    `fixed_bytes` the others (step counters, the learning rate, a random
-    generator's state), a few bytes whatever the model.
+    state that grows with the model: moments, compensation buffers) and
+    the codes and scales of 8-bit and 4-bit slots; `fixed_bytes` the
+    others (step counters, the learning rate, a random generator's state,
+    the one-scalar storage of a quantized slot), a few bytes whatever the
+    model.
     """
     model.optimizer.build(model.trainable_variables)
     weights = unique_variables(model.weights)
     weight_ids = {id(v) for v in weights}
     shapes = {tuple(v.shape) for v in model.trainable_variables}
-    state, fixed = [], []
-    for variable in unique_variables(model.optimizer.variables):
-        if id(variable) in weight_ids:
+    variables = unique_variables(model.optimizer.variables)
+    coded = {}
+    for variable in variables:
+        if isinstance(variable, QuantizedSlot):
+            coded[id(variable.codes)] = variable.codes
+            coded[id(variable.scales)] = variable.scales
+    state, fixed = list(coded.values()), []
+    for variable in variables:
+        if id(variable) in weight_ids or id(variable) in coded:
             continue
-        if tuple(variable.shape) in shapes and len(variable.shape):
+        if isinstance(variable, QuantizedSlot):
+            # Its own storage: one float32 scalar.
+            fixed.append(_SCALAR)
+        elif tuple(variable.shape) in shapes and len(variable.shape):
             state.append(variable)
         else:
             fixed.append(variable)
@@ -282,7 +331,7 @@ def check_targets(metric, rows):
         if metric == "accuracy"
         else "relative loss over mixed"
     )
-    for name in COMPENSATED:
+    for name in QUALITY:
         if name in rows:
             figure, within = quality(name)
             checks.append(

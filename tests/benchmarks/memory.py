@@ -51,8 +51,9 @@ def probe_command(backend, arm, policy, sizes, threads=None):
     ]
 
 
-def run_probe(command, timeout=600):
-    """Runs one probe process; returns its result dict.
+def run_probe(command, timeout=600, marker=MARKER):
+    """Runs one probe process; returns its result dict (the JSON after
+    `marker` on its standard output).
 
     Raises:
         RuntimeError: if the process fails or prints no result.
@@ -69,8 +70,8 @@ def run_probe(command, timeout=600):
         check=False,
     )
     for line in reversed(completed.stdout.splitlines()):
-        if line.startswith(MARKER):
-            return json.loads(line[len(MARKER) :])
+        if line.startswith(marker):
+            return json.loads(line[len(marker) :])
     raise RuntimeError(
         f"The memory probe failed (exit status {completed.returncode}): "
         f"{' '.join(command)}\n{completed.stderr[-3000:]}"

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from tests.benchmarks import hub_quality_report
+from tests.benchmarks import quantized_state_report
 from tests.benchmarks.sizes import ARMS
 from tests.benchmarks.sizes import KERAS
 from tests.benchmarks.sizes import PLUGIN
@@ -94,6 +95,7 @@ def render_backend(result):
         ("low_precision_speed", low_precision_speed_section),
         ("float8", float8_section),
         ("hub_quality", hub_quality_report.section),
+        ("quantized_state_memory", quantized_state_report.section),
     )
     for key, section in sections:
         if key in result:

@@ -16,6 +16,7 @@ BENCHMARKS = (
     "low_precision_speed",
     "float8",
     "hub_quality",
+    "quantized_state_memory",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -65,6 +66,12 @@ class Sizes:
         deep_blocks: Its (Dense + LayerNormalization) blocks.
         deep_batch: Its batch size.
         deep_repeats: Timed repetitions of each of its three arms.
+        state_memory_width: Width of the Dense stack of the quantized-state
+            memory benchmark.
+        state_memory_depth: Its number of Dense layers.
+        state_memory_batch: Its batch size.
+        state_memory_steps: Training steps whose peak memory is read.
+        state_memory_repeats: Fresh processes per configuration.
     """
 
     name: str
@@ -89,6 +96,11 @@ class Sizes:
     deep_blocks: int
     deep_batch: int
     deep_repeats: int
+    state_memory_width: int
+    state_memory_depth: int
+    state_memory_batch: int
+    state_memory_steps: int
+    state_memory_repeats: int
 
 
 FULL = Sizes(
@@ -114,6 +126,12 @@ FULL = Sizes(
     deep_blocks=48,
     deep_batch=64,
     deep_repeats=15,
+    # 12 x (2048 x 2048 + 2048) = 50.36M parameters.
+    state_memory_width=2048,
+    state_memory_depth=12,
+    state_memory_batch=64,
+    state_memory_steps=3,
+    state_memory_repeats=1,
 )
 
 QUICK = Sizes(
@@ -139,6 +157,11 @@ QUICK = Sizes(
     deep_blocks=4,
     deep_batch=16,
     deep_repeats=3,
+    state_memory_width=128,
+    state_memory_depth=2,
+    state_memory_batch=8,
+    state_memory_steps=2,
+    state_memory_repeats=1,
 )
 
 

@@ -19,6 +19,7 @@ from tests.benchmarks import low_precision
 from tests.benchmarks import low_precision_speed
 from tests.benchmarks import machine
 from tests.benchmarks import memory
+from tests.benchmarks import quantized_state_memory
 from tests.benchmarks import scaling_cost
 from tests.benchmarks import speedup
 from tests.benchmarks import threads as thread_limit
@@ -64,6 +65,9 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "low_precision_speed": lambda: low_precision_speed.run(sizes),
         "float8": lambda: float8_training.run(sizes),
         "hub_quality": lambda: hub_quality.run(sizes),
+        "quantized_state_memory": lambda: quantized_state_memory.run(
+            name, sizes, threads
+        ),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:
