@@ -35,13 +35,10 @@ low_precision` (add `--quick` for a smoke run).
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
 
-import types
-
 import keras
 import numpy as np
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 from keras_dtype_policy.policies.global_policy import policy_scope
 from tests.benchmarks import low_precision_tasks as tasks
 from tests.benchmarks import measure
@@ -124,10 +121,6 @@ FULL_CHUNKS = 10
 QUICK_CHUNKS = 2
 
 
-# What a quantized slot's own storage takes (it stands for its codes).
-_SCALAR = types.SimpleNamespace(shape=(), dtype="float32")
-
-
 def available():
     """True where this package offers `LowPrecisionOptimizer`."""
     return hasattr(kdp, "LowPrecisionOptimizer")
@@ -201,18 +194,14 @@ def memory_row(model):
     shapes = {tuple(v.shape) for v in model.trainable_variables}
     variables = unique_variables(model.optimizer.variables)
     coded = {}
-    for variable in variables:
-        if isinstance(variable, QuantizedSlot):
-            coded[id(variable.codes)] = variable.codes
-            coded[id(variable.scales)] = variable.scales
+    for slot in _quantized_slots(model.optimizer):
+        coded[id(slot.codes)] = slot.codes
+        coded[id(slot.scales)] = slot.scales
     state, fixed = list(coded.values()), []
     for variable in variables:
         if id(variable) in weight_ids or id(variable) in coded:
             continue
-        if isinstance(variable, QuantizedSlot):
-            # Its own storage: one float32 scalar.
-            fixed.append(_SCALAR)
-        elif tuple(variable.shape) in shapes and len(variable.shape):
+        if tuple(variable.shape) in shapes and len(variable.shape):
             state.append(variable)
         else:
             fixed.append(variable)
@@ -233,6 +222,17 @@ def memory_row(model):
             {keras.backend.standardize_dtype(v.dtype) for v in state}
         ),
     }
+
+
+def _quantized_slots(optimizer):
+    """The quantized slots of a `LowPrecisionOptimizer`, also inside a
+    loss-scale optimizer; none for any other optimizer."""
+    while optimizer is not None:
+        targets = getattr(optimizer, "_targets", None)
+        if targets is not None:
+            return list(targets.quantized_slots.values())
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return []
 
 
 def train_interleaved(task, models, chunks):
