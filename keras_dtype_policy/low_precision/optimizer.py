@@ -149,6 +149,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         finally:
             for view in targets.views.values():
                 view._building = False
+        for slot in targets.quantized_slots.values():
+            # Its codes and scales are the wrapper's variables; as one of
+            # the inner's, the slot would be saved, carried through JAX's
+            # train step and written back after `fit` as a float32 copy.
+            inner._untrack_variable(slot)
         skip = {id(inner._iterations)}
         if isinstance(inner._learning_rate, keras.Variable):
             skip.add(id(inner._learning_rate))
