@@ -1,6 +1,7 @@
 """`LowPrecisionOptimizer`: training bfloat16 and float16 weights."""
 
 import copy
+import types
 
 import keras
 from keras import ops
@@ -61,6 +62,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         seed = arguments.check_seed(seed)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
+        # The wrapper's saved values hold the inner optimizer's: they load
+        # (or are skipped) all together, never the inner's alone.
+        inner_optimizer.load_own_variables = types.MethodType(
+            _loaded_by_wrapper, inner_optimizer
+        )
         self._update = update
         self._state_dtype = state_dtype
         self._seed = seed
@@ -334,6 +340,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         elif isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
         return cls(inner_optimizer, **config)
+
+
+def _loaded_by_wrapper(inner, store):
+    """The inner optimizer's `load_own_variables`: nothing to do."""
 
 
 def _clips(optimizer):
