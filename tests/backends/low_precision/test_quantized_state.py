@@ -403,6 +403,7 @@ def test_custom_loop_with_a_gradient_tape_or_its_backend_twin():
 
 def loss_and_gradients(model, x, y):
     variables = model.trainable_variables
+    x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
@@ -413,7 +414,7 @@ def loss_and_gradients(model, x, y):
         model.zero_grad()
         loss = keras.ops.mean((model(x) - y) ** 2)
         loss.backward()
-        return float(loss), [v.value.grad for v in variables]
+        return loss.item(), [v.value.grad for v in variables]
     import jax
 
     def compute(values):
