@@ -76,7 +76,8 @@ def build_and_train_quantized():
             keras.Input((6,)),
             keras.layers.Dense(1024, activation="relu", name="wide"),
             keras.layers.Dense(1, name="head"),
-        ]
+        ],
+        name="quantized",
     )
     model.compile(
         kdp.LowPrecisionOptimizer(
