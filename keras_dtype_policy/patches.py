@@ -219,8 +219,9 @@ INSTANCE_PATCHES = (
         float32_views.ROUTED_METHODS,
         float32_views.unroute_all,
         "Send the inner optimizer's writes to the float32 views and to the "
-        "rounded and quantized slots, and make its quantized slots; the "
-        "wrapper sets them again at its next step.",
+        "rounded and quantized slots, make its quantized slots, and leave "
+        "its saved values to the wrapper; the wrapper sets them again at its "
+        "next step.",
     ),
 )
 

@@ -83,7 +83,8 @@ def check_state_dtype(state_dtype):
         standard = keras.backend.standardize_dtype(state_dtype)
     except (TypeError, ValueError, AttributeError):
         standard = None
-    if standard not in STATE_DTYPES:
+    # None is one of STATE_DTYPES: an unknown name must not pass as it.
+    if standard is None or standard not in STATE_DTYPES:
         raise ValueError(
             f"`state_dtype` must be {expected}. "
             f"Received: state_dtype={state_dtype!r} "

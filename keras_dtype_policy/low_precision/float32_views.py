@@ -25,6 +25,7 @@ ROUTED_METHODS = (
     "assign_sub",
     "_var_key",
     "add_variable_from_reference",
+    "load_own_variables",
 )
 _routed = weakref.WeakSet()
 
@@ -149,9 +150,10 @@ def route_writes(inner, wrapper):
     """Routes the inner optimizer's writes to views and rounded slots.
 
     Only this instance's `assign`, `assign_add`, `assign_sub`, `_var_key`
-    (for TensorFlow, which would read a view's value) and
+    (for TensorFlow, which would read a view's value),
     `add_variable_from_reference` (which makes quantized slots, see
-    `quantized_slots`) are replaced.
+    `quantized_slots`) and `load_own_variables` (the wrapper loads the
+    inner's saved values with its own) are replaced.
 
     Args:
         inner: The inner `keras.optimizers.Optimizer`.
@@ -196,12 +198,19 @@ def route_writes(inner, wrapper):
     add_variable_from_reference = quantized_slots.make_slot_creation(
         inner, wrapper
     )
+
+    def load_own_variables(self, store):
+        # The wrapper's saved values hold the inner optimizer's: they load
+        # (or are skipped) all together, never the inner's alone.
+        pass
+
     for method in (
         assign,
         assign_add,
         assign_sub,
         _var_key,
         add_variable_from_reference,
+        load_own_variables,
     ):
         setattr(inner, method.__name__, types.MethodType(method, inner))
 

@@ -69,6 +69,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._seed = seed
         self._targets = _Targets()
         self.seed_generator = None
+        route_writes(inner_optimizer, self)
 
     @property
     def update(self):
@@ -228,12 +229,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             learning_rate = inner.learning_rate
             inner_step.advance_step_state(inner)
             variables = [v for _, v in pairs]
+            self._targets.in_step = True
             try:
                 if torch_step.can_batch(self):
                     self._batched_updates(grads, variables, learning_rate)
                 else:
                     self._updates(grads, variables, learning_rate)
             finally:
+                self._targets.in_step = False
                 for slot in self._targets.quantized_slots.values():
                     slot.working = None
             inner._iterations.assign_add(1)
@@ -357,6 +360,9 @@ class _Targets:
         self.order = []
         self.rounded_slots = {}
         self.quantized_slots = {}
+        # True while a step runs: a quantized slot then keeps the float32
+        # value written into it for the rest of the step.
+        self.in_step = False
 
 
 def _slot_name(variable, name):

@@ -159,7 +159,8 @@ class QuantizedSlot(keras.Variable):
         value = ops.cast(ops.convert_to_tensor(value), "float32")
         value = ops.reshape(value, self.slot_shape)
         self.store(value)
-        self.working = value
+        if self.owner._targets.in_step:
+            self.working = value
         return value
 
     def assign_add(self, value):

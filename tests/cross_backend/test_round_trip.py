@@ -9,7 +9,8 @@ to 1e-6). Loading must not import the backend library that saved the file
 
 A `kahan_bfloat16` model trained by the `LowPrecisionOptimizer` travels
 with it: its bfloat16 weights, Kahan compensation buffers and optimizer
-state must come back bit for bit on the other backend.
+state must come back bit for bit on the other backend, and so must the codes,
+scales and other optimizer values of a model trained with 8-bit Adam state.
 """
 
 import itertools
@@ -81,6 +82,7 @@ def test_round_trip(saved, source, target, tmp_path):
     )
     assert source not in after["newly_imported"]
     assert_low_precision_kept(before["low_precision"], after["low_precision"])
+    assert_quantized_kept(before["quantized"], after["quantized"])
 
 
 def assert_low_precision_kept(before, after):
@@ -93,6 +95,32 @@ def assert_low_precision_kept(before, after):
     for old, new in zip(before["weights"], after["weights"], strict=True):
         np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
     assert len(after["optimizer_values"]) == len(before["optimizer_values"])
+    for old, new in zip(
+        before["optimizer_values"], after["optimizer_values"], strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+
+
+def assert_quantized_kept(before, after):
+    """The model with 8-bit Adam state came back bit for bit."""
+    assert after["optimizer"] == before["optimizer"]
+    assert after["state_dtype"] == before["state_dtype"] == "8bit"
+    # The step count and the seed generator's state are int32, int64 or
+    # uint32 as the backend has them (Keras' choice); their values agree.
+    dtypes = [
+        (name, old, new)
+        for name, old, new in zip(
+            before["names"], before["dtypes"], after["dtypes"], strict=True
+        )
+        if name.endswith(("_codes", "_scales"))
+    ]
+    assert len(dtypes) == 4
+    assert all(old == new for _, old, new in dtypes), dtypes
+    # A slot's name comes from its weight's path, with or without the
+    # model's name in front as the optimizer was built in or out of it.
+    for old, new in zip(before["names"], after["names"], strict=True):
+        assert old.endswith(new) or new.endswith(old), (old, new)
+    assert sum(name.endswith("_codes") for name in before["names"]) == 2
     for old, new in zip(
         before["optimizer_values"], after["optimizer_values"], strict=True
     ):

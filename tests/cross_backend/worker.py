@@ -11,7 +11,9 @@ backend libraries the process imported beyond those `import keras` did.
 Beside it, each side saves (or loads) a `kahan_bfloat16` model trained by
 the `LowPrecisionOptimizer` the compile hook installs: its bfloat16
 weights, compensation buffers and bfloat16 optimizer state go under
-"low_precision" in STATE.json.
+"low_precision" in STATE.json. A float32 model trained with 8-bit Adam state
+(`state_dtype="8bit"`) goes the same way: its codes, scales and every other
+optimizer value under "quantized".
 """
 
 import json
@@ -65,6 +67,42 @@ def build_and_train_low_precision():
     for _ in range(3):
         model.train_on_batch(INPUTS, targets)
     return model
+
+
+def build_and_train_quantized():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(1024, activation="relu", name="wide"),
+            keras.layers.Dense(1, name="head"),
+        ],
+        name="quantized",
+    )
+    model.compile(
+        kdp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-3), state_dtype="8bit", seed=0
+        ),
+        "mse",
+    )
+    targets = np.ones((8, 1), "float32")
+    for _ in range(3):
+        model.train_on_batch(INPUTS, targets)
+    return model
+
+
+def describe_quantized(model):
+    optimizer = model.optimizer
+    return {
+        "optimizer": type(optimizer).__name__,
+        "state_dtype": optimizer.state_dtype,
+        "names": [v.name for v in optimizer.variables],
+        "dtypes": [str(v.dtype) for v in optimizer.variables],
+        "optimizer_values": [
+            np.asarray(keras.ops.convert_to_numpy(v), "float64").tolist()
+            for v in optimizer.variables
+        ],
+    }
 
 
 def describe_low_precision(model):
@@ -122,16 +160,21 @@ def describe(model):
 
 def main(mode, model_path, state_path):
     low_precision_path = model_path.replace(".keras", "_low_precision.keras")
+    quantized_path = model_path.replace(".keras", "_quantized.keras")
     if mode == "save":
         model = build_and_train()
         model.save(model_path)
         low_precision = build_and_train_low_precision()
         low_precision.save(low_precision_path)
+        quantized = build_and_train_quantized()
+        quantized.save(quantized_path)
     else:
         model = keras.saving.load_model(model_path)
         low_precision = keras.saving.load_model(low_precision_path)
+        quantized = keras.saving.load_model(quantized_path)
     state = describe(model)
     state["low_precision"] = describe_low_precision(low_precision)
+    state["quantized"] = describe_quantized(quantized)
     with open(state_path, "w") as f:
         json.dump(state, f)
 
