@@ -31,9 +31,12 @@ variables, and the step time over mixed_bfloat16's and over plain
 bfloat16's. The issue's targets are checked and stated, never asserted.
 
 Run alone: `python tests/benchmarks/run.py --backend jax --only
-low_precision` (add `--quick` for a smoke run).
+low_precision` (add `--quick` for a smoke run; `KDP_BENCHMARK7_ONLY`, a
+comma-separated list of configurations, runs a subset).
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
+
+import os
 
 import keras
 import numpy as np
@@ -394,7 +397,7 @@ def run(sizes):
             steps.
     """
     quick = sizes.name == "quick"
-    configurations = list(CONFIGURATIONS)
+    configurations = _chosen()
     missing = []
     if not available():
         missing = [n for n in configurations if CONFIGURATIONS[n][1]]
@@ -418,3 +421,20 @@ def _optimizer_name(optimizer):
     if inner is None:
         return name
     return f"{name}({type(inner).__name__})"
+
+
+def _chosen():
+    """The configurations `KDP_BENCHMARK7_ONLY` (a comma-separated subset)
+    keeps, all by default; mixed_bfloat16 and bfloat16, the references,
+    always."""
+    only = os.environ.get("KDP_BENCHMARK7_ONLY")
+    if not only:
+        return list(CONFIGURATIONS)
+    names = {name.strip() for name in only.split(",")} | {MIXED, PLAIN}
+    unknown = names - set(CONFIGURATIONS)
+    if unknown:
+        raise ValueError(
+            "KDP_BENCHMARK7_ONLY names unknown configurations. "
+            f"Received: {sorted(unknown)}; known: {list(CONFIGURATIONS)}"
+        )
+    return [name for name in CONFIGURATIONS if name in names]

@@ -25,8 +25,15 @@ of mixed_bfloat16, <= 1.05 of plain bfloat16 for stochastic rounding)
 are checked and stated, never asserted.
 
 Run alone: `python tests/benchmarks/run.py --backend jax --only
-low_precision_speed`. Import this module only once `KERAS_BACKEND` is set.
+low_precision_speed`. Two environment variables change the run:
+`KDP_BENCHMARK9_BATCH` the batch (64 by default: the smallest compute a
+parameter, where the optimizer's share of the step is largest), and
+`KDP_BENCHMARK9_ONLY` a comma-separated subset of the configurations
+(mixed_bfloat16 and bfloat16 are always kept: the ratios are to them).
+Import this module only once `KERAS_BACKEND` is set.
 """
+
+import os
 
 import keras
 import numpy as np
@@ -39,7 +46,7 @@ from tests.benchmarks import training
 WIDTH = 256
 HIDDEN = 1024
 BLOCKS = 8
-BATCH = 64
+BATCH = int(os.environ.get("KDP_BENCHMARK9_BATCH", "64"))
 LEARNING_RATE = 1e-4
 MIXED = "mixed_bfloat16"
 PLAIN = "bfloat16"
@@ -128,7 +135,7 @@ def run(sizes):
     samples = (training.SKIP + steps) * BATCH
     x = rng.normal(size=(samples, WIDTH)).astype("float32")
     y = rng.integers(0, 10, size=(samples,))
-    models = {name: build(name, initial) for name in CONFIGURATIONS}
+    models = {name: build(name, initial) for name in _chosen()}
     optimizers = {
         name: type(model.optimizer).__name__ for name, model in models.items()
     }
@@ -141,7 +148,7 @@ def run(sizes):
         name: float(np.median(values)) for name, values in samples_.items()
     }
     rows = []
-    for name in CONFIGURATIONS:
+    for name in models:
         rows.append(
             {
                 "configuration": name,
@@ -164,3 +171,18 @@ def run(sizes):
         "targets": TARGETS,
         "rows": rows,
     }
+
+
+def _chosen():
+    """The configurations `KDP_BENCHMARK9_ONLY` keeps, all by default."""
+    only = os.environ.get("KDP_BENCHMARK9_ONLY")
+    if not only:
+        return CONFIGURATIONS
+    names = {name.strip() for name in only.split(",")} | {MIXED, PLAIN}
+    unknown = names - set(CONFIGURATIONS)
+    if unknown:
+        raise ValueError(
+            "KDP_BENCHMARK9_ONLY names unknown configurations. "
+            f"Received: {sorted(unknown)}; known: {list(CONFIGURATIONS)}"
+        )
+    return tuple(name for name in CONFIGURATIONS if name in names)

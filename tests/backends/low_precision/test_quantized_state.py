@@ -76,8 +76,8 @@ def trajectory(make_inner, state_dtype, steps=STEPS):
 # Bound: the mean absolute parameter error of 8-bit state, over 60 steps,
 # is below 5% of the mean distance the float32-state reference moved the
 # parameters (measured on JAX: 0.6% RMSprop, 1.3% Adagrad, 1.9% SGD
-# momentum, 2.0% Adam, 2.7% Lion), and its mean relative error
-# median relative error |p8 - p32| / |p32| is below 2% (bitsandbytes
+# momentum, 2.0% Adam, 2.7% Lion), and its median relative error
+# |p8 - p32| / |p32| is below 2% (bitsandbytes
 # bounds the mean of it for its 8-bit Adam; the median ignores the weights
 # that pass through zero; measured 0.03% to 1.1% on weights ~ N(0, 0.1)).
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
