@@ -432,7 +432,7 @@ def _slots_by_variable(wrapper):
     lists = [
         value
         for name, value in vars(inner).items()
-        if name != "_trainable_variables"
+        if name not in ("_trainable_variables", "_variables")
         and isinstance(value, list)
         and len(value) == len(order)
         and all(isinstance(v, keras.Variable) or v is None for v in value)
@@ -447,7 +447,9 @@ def _slots_by_variable(wrapper):
         )
         found.update(id(slot) for slot in held)
         by_variable[id(variable)] = held
-    covered = set(targets.rounded_slots) <= found
+    covered = set(targets.rounded_slots) <= found and (
+        set(targets.quantized_slots) <= found
+    )
     result = by_variable if covered and shapes_match else None
     targets.slots_by_variable = result
     return result

@@ -85,11 +85,7 @@ def low_precision_state(optimizer, parameters):
         wrapper = getattr(wrapper, "inner_optimizer", None)
     if wrapper is None:
         return None
-    quantized = [
-        v
-        for v in wrapper.inner_optimizer.variables
-        if isinstance(v, quantized_slots.QuantizedSlot)
-    ]
+    quantized = list(wrapper._targets.quantized_slots.values())
     state_bytes = None
     if wrapper.built and parameters:
         state_bytes = variable_bytes(optimizer) / parameters
@@ -103,12 +99,11 @@ def low_precision_state(optimizer, parameters):
 
 def variable_bytes(optimizer):
     """Bytes of the variables of an optimizer and the optimizers inside it,
-    each once; a `QuantizedSlot` counts as its codes and scales."""
+    each once (a quantized slot's are its codes and scales)."""
     seen = {}
     while optimizer is not None:
         for variable in optimizer.variables:
-            if not isinstance(variable, quantized_slots.QuantizedSlot):
-                seen[id(variable)] = variable
+            seen[id(variable)] = variable
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return sum(
         int(np.prod(v.shape, dtype=np.int64)) * _dtype_bytes(v.dtype)
