@@ -27,7 +27,6 @@ import keras
 import numpy as np
 
 import keras_dtype_policy as kdp
-from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 VOCABULARY = 64
 LENGTH = 16
@@ -132,10 +131,9 @@ def _train(configuration, build, initial, batches):
     # The policy may wrap the optimizer in `compile`: reset what it holds.
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
-    # A quantized slot is reset through its codes and scales, which are
-    # variables of their own: writing the slot would leave its float32
-    # value behind, read as a constant by the next compiled step.
-    state = [v for v in optimizer.variables if not isinstance(v, QuantizedSlot)]
+    # A quantized slot's state is its codes and scales, which are among
+    # the optimizer's variables.
+    state = list(optimizer.variables)
     fresh = [keras.ops.convert_to_numpy(v) for v in state]
     losses = []
     for weights, (x, y, x_test, y_test) in zip(initial, batches, strict=True):
