@@ -1,0 +1,117 @@
+"""What the package's readers accept before they open or allocate anything.
+
+Every reader (the Python API and the command line) refuses a path that is
+neither a regular file nor a directory (a FIFO would block for ever, a
+device never ends), and bounds every size a file declares before memory is
+set aside for it: an array's element count, a zip member's expanded size,
+a layer config's `units`/`filters`. Each refusal names the field.
+"""
+
+import math
+import os
+import stat
+
+# The largest array any declared shape may describe, in elements: 2**31
+# (8 GiB of float32), beyond any model this package is meant to read on one
+# host and below what the backends' allocators refuse with their own errors.
+MAX_DECLARED_ELEMENTS = 2**31
+
+# The largest size a single `.keras` zip member may expand to: 16 GiB.
+MAX_ZIP_MEMBER_BYTES = 16 * 2**30
+
+# The largest dimension a layer config may ask for (`units`, `filters`,
+# `output_dim`, ...): larger ones are refused before a weight is built.
+MAX_LAYER_DIMENSION = 2**24
+
+
+class FileLimitError(ValueError):
+    """A path or a declared size that the readers refuse."""
+
+
+def check_path_kind(path, argument="filepath"):
+    """Refuses a path that is neither a regular file nor a directory.
+
+    A missing path passes: the caller reports it in its own words.
+
+    Args:
+        path: A path-like.
+        argument: The argument's name, for the message.
+
+    Raises:
+        FileLimitError: for a FIFO, socket, device or other special file.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    raise FileLimitError(
+        f"`{argument}` must be a regular file or a directory; received "
+        f"{os.fspath(path)!r}, which is a {_kind_name(mode)}"
+    )
+
+
+def check_declared_shape(shape, field):
+    """Refuses a declared shape that is malformed or describes too much.
+
+    Args:
+        shape: A sequence of dimensions, as the file declares it.
+        field: What declares it (a dataset name, a config key), for the
+            message.
+
+    Raises:
+        FileLimitError: for a negative or non-integer dimension, or more
+            than `MAX_DECLARED_ELEMENTS` elements.
+    """
+    dimensions = tuple(shape)
+    for dimension in dimensions:
+        if (
+            isinstance(dimension, bool)
+            or not isinstance(dimension, (int,))
+            and not hasattr(dimension, "__index__")
+        ):
+            raise FileLimitError(
+                f"{field}: declares a shape with a dimension that is not an "
+                f"integer: {dimensions!r}"
+            )
+        if int(dimension) < 0:
+            raise FileLimitError(
+                f"{field}: declares a negative dimension: {dimensions!r}"
+            )
+    elements = math.prod(int(dimension) for dimension in dimensions)
+    if elements > MAX_DECLARED_ELEMENTS:
+        raise FileLimitError(
+            f"{field}: declares {elements} elements (shape {dimensions!r}), "
+            f"more than the {MAX_DECLARED_ELEMENTS} this package reads"
+        )
+
+
+def check_zip_member_size(name, size):
+    """Refuses a zip member whose expanded size is past the limit.
+
+    Args:
+        name: The member's name.
+        size: Its declared expanded size, in bytes.
+
+    Raises:
+        FileLimitError: if `size` exceeds `MAX_ZIP_MEMBER_BYTES`.
+    """
+    if size > MAX_ZIP_MEMBER_BYTES:
+        raise FileLimitError(
+            f"zip member {name!r} expands to {size} bytes, more than the "
+            f"{MAX_ZIP_MEMBER_BYTES} this package reads"
+        )
+
+
+def _kind_name(mode):
+    kinds = (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    )
+    for test, name in kinds:
+        if test(mode):
+            return name
+    return "special file"
