@@ -95,51 +95,46 @@ def quantize(values, code, seed=None):
         scales of shape `(blocks,)`.
     """
     values = ops.reshape(ops.cast(values, "float32"), (-1, code.block))
-    finite = ops.isfinite(values)
-    magnitude = ops.where(finite, ops.abs(values), 0.0)
-    if not code.signed:
-        magnitude = ops.where(ops.greater(values, 0.0), magnitude, 0.0)
-    scales = ops.max(magnitude, axis=1)
-    safe = ops.where(ops.greater(scales, 0.0), scales, 1.0)
-    # Infinities go to the top level, NaN to zero (its magnitude is 0).
-    relative = ops.where(
-        ops.logical_and(ops.logical_not(finite), ops.greater(values, 0.0)),
-        1.0,
-        ops.divide(magnitude, safe[:, None]),
-    )
     if code.signed:
-        relative = ops.where(
-            ops.logical_and(ops.logical_not(finite), ops.less(values, 0.0)),
-            1.0,
-            relative,
-        )
-    relative = ops.minimum(relative, 1.0)
-    index = _level_below(relative, code)
-    low = _level(index, code)
-    high = _level(ops.add(index, 1.0), code)
-    fraction = ops.divide(
-        ops.subtract(relative, low), ops.maximum(ops.subtract(high, low), 1e-30)
-    )
-    fraction = ops.clip(fraction, 0.0, 1.0)
+        magnitude = ops.abs(values)
+    else:
+        magnitude = ops.maximum(values, 0.0)
+    # Infinities and NaN take no part in the scale.
+    finite = ops.where(ops.isfinite(values), magnitude, 0.0)
+    scales = ops.max(finite, axis=1)
+    # The position on the `n**power` grid: the level of index `k` is at
+    # `k**power` (signed) or `(k + 1)**power` (unsigned). An infinity lands
+    # on the top level (the minimum), NaN on zero.
+    grid = float(code.levels**code.power)
+    inverse = ops.divide(grid, ops.where(ops.greater(scales, 0.0), scales, 1.0))
+    position = ops.minimum(ops.multiply(magnitude, inverse[:, None]), grid)
+    position = ops.where(ops.isnan(position), 0.0, position)
+    index = _level_below(position, code)
+    low = _grid_level(index, code)
+    if code.signed:
+        # (k + 1)**2 - k**2, exact in float32 for these small integers.
+        gap = ops.add(ops.add(index, index), 1.0)
+    else:
+        gap = ops.subtract(_grid_level(ops.add(index, 1.0), code), low)
+    # Up with the probability that keeps the stored level unbiased:
+    # (position - low) / gap, compared without a division.
     if seed is None:
-        threshold = 0.5
+        threshold = ops.multiply(gap, 0.5)
     else:
         noise = random_bits.rounding_noise(ops.shape(values), 16, seed)
-        threshold = ops.multiply(
+        uniform = ops.multiply(
             ops.add(ops.cast(noise, "float32"), 0.5), 1.0 / 65536.0
         )
-    up = ops.cast(ops.greater_equal(fraction, threshold), "float32")
-    index = ops.add(index, up)
+        threshold = ops.multiply(gap, uniform)
+    up = ops.greater_equal(ops.subtract(position, low), threshold)
+    index = ops.add(index, ops.cast(up, "float32"))
     if code.signed:
-        negative = ops.less(values, 0.0)
-        index = ops.where(negative, ops.negative(index), index)
-        stored = index
+        stored = ops.where(ops.less(values, 0.0), ops.negative(index), index)
     else:
         stored = ops.subtract(index, 128.0 if code.bits == 8 else 0.0)
-    codes = ops.cast(stored, "int32")
     if code.bits == 4:
-        codes = _pack(codes, code)
-    return ops.cast(codes, "int8"), scales
+        return ops.cast(_pack(ops.cast(stored, "int32"), code), "int8"), scales
+    return ops.cast(stored, "int8"), scales
 
 
 def dequantize(codes, scales, code):
@@ -160,32 +155,33 @@ def dequantize(codes, scales, code):
         index = ops.add(index, 128)
     index = ops.cast(index, "float32")
     if code.signed:
-        level = ops.multiply(ops.sign(index), _level(ops.abs(index), code))
+        level = ops.multiply(index, ops.abs(index))
     else:
-        level = _level(index, code)
-    level = ops.multiply(level, ops.cast(scales, "float32")[:, None])
+        level = _grid_level(index, code)
+    grid = float(code.levels**code.power)
+    unit = ops.divide(ops.cast(scales, "float32"), grid)
+    level = ops.multiply(level, unit[:, None])
     return ops.reshape(level, (-1,))
 
 
-def _level(index, code):
-    """The level of (non-negative, float) `index`, relative to the scale."""
+def _level_below(position, code):
+    """The highest index whose grid level is at most `position` (clipped
+    so that the index above it exists)."""
     if code.signed:
-        x = ops.multiply(index, 1.0 / code.levels)
-        return ops.multiply(x, x)
-    x = ops.multiply(ops.add(index, 1.0), 1.0 / code.levels)
+        index = ops.floor(ops.sqrt(position))
+        return ops.minimum(index, code.levels - 1.0)
+    index = ops.subtract(ops.floor(ops.sqrt(ops.sqrt(position))), 1.0)
+    return ops.clip(index, 0.0, code.levels - 2.0)
+
+
+def _grid_level(index, code):
+    """The level of (non-negative, float) `index` on the `n**power`
+    grid: `index**2` signed, `(index + 1)**4` unsigned."""
+    if code.signed:
+        return ops.multiply(index, index)
+    x = ops.add(index, 1.0)
     x = ops.multiply(x, x)
     return ops.multiply(x, x)
-
-
-def _level_below(relative, code):
-    """The highest index whose level is at most `relative` (clipped so
-    that the index above it exists)."""
-    if code.signed:
-        index = ops.floor(ops.multiply(ops.sqrt(relative), code.levels))
-        return ops.clip(index, 0.0, code.levels - 1.0)
-    root = ops.sqrt(ops.sqrt(relative))
-    index = ops.subtract(ops.floor(ops.multiply(root, code.levels)), 1.0)
-    return ops.clip(index, 0.0, code.levels - 2.0)
 
 
 def _pack(index, code):

@@ -38,21 +38,20 @@ def dequantize(out, codes, scales, code, scratch):
     else:
         out.copy_(codes.reshape(-1))
         if not code.signed:
-            # The unsigned index is the code + 128; the level's is + 1.
-            out.add_(129.0)
+            # The unsigned index is the code + 128.
+            out.add_(128.0)
     if code.signed:
-        # sign(k) * (|k| / n)**2, as `t * |t|` with t = k / n.
-        out.mul_(1.0 / code.levels)
+        # k * |k| on the grid.
         magnitude = scratch[: out.numel()]
         torch.abs(out, out=magnitude)
         out.mul_(magnitude)
     else:
-        if code.bits == 4:
-            out.add_(1.0)
-        out.mul_(1.0 / code.levels)
+        # (k + 1)**4 on the grid, k the unsigned index.
+        out.add_(1.0)
         out.mul_(out)
         out.mul_(out)
-    out.view(-1, code.block).mul_(scales[:, None])
+    grid = float(code.levels**code.power)
+    out.view(-1, code.block).mul_((scales / grid)[:, None])
 
 
 def quantize(values, codes, scales, code, scratch, noise=None):
@@ -86,33 +85,39 @@ def quantize(values, codes, scales, code, scratch, noise=None):
         return
     if not code.signed:
         scales.add_(0.0)  # -0.0 (a block of no positive value) to 0.0.
-    safe = torch.where(scales > 0.0, scales, 1.0)
-    relative.view(-1, code.block).div_(safe[:, None])
-    # The level below (`block_codes._level_below`).
-    torch.sqrt(relative, out=index)
-    if not code.signed:
-        index.sqrt_()
-    index.mul_(float(code.levels))
-    index.floor_()
+    # The position on the grid and the level below it
+    # (`block_codes.quantize`, `block_codes._level_below`).
+    grid = float(code.levels**code.power)
+    inverse = grid / torch.where(scales > 0.0, scales, 1.0)
+    position = relative
+    position.view(-1, code.block).mul_(inverse[:, None])
+    position.clamp_(max=grid)
+    torch.sqrt(position, out=index)
     if code.signed:
-        index.clamp_(0.0, code.levels - 1.0)
+        index.floor_()
+        index.clamp_(max=code.levels - 1.0)
+        torch.mul(index, index, out=level)
+        # The gap to the level above, (k + 1)**2 - k**2.
+        torch.add(index, index, out=high)
+        high.add_(1.0)
     else:
+        index.sqrt_()
+        index.floor_()
         index.sub_(1.0)
         index.clamp_(0.0, code.levels - 2.0)
-    # fraction = (relative - low) / max(high - low, 1e-30), in relative.
-    _level(index, 0.0, code, level)
-    _level(index, 1.0, code, high)
-    high.sub_(level)
-    high.clamp_(min=1e-30)
-    relative.sub_(level)
-    relative.div_(high)
+        _grid_level(index, 1.0, level)
+        _grid_level(index, 2.0, high)
+        high.sub_(level)
+    # Up where position - low >= gap * u: u = 1/2 rounds to nearest, u
+    # uniform in (0, 1) at random.
+    position.sub_(level)
     if noise is None:
-        relative.ge_(0.5)
+        high.mul_(0.5)
     else:
-        # (bits + 0.5) / 65536 for 16 random bits an element.
         _uniform(noise, level)
-        relative.ge_(level)
-    index.add_(relative)
+        high.mul_(level)
+    position.ge_(high)
+    index.add_(position)
     if code.signed:
         index.copysign_(values)
     if code.bits == 4:
@@ -123,20 +128,11 @@ def quantize(values, codes, scales, code, scratch, noise=None):
         codes.view(-1).copy_(index)
 
 
-def _level(index, offset, code, out):
-    """`block_codes._level(index + offset)` into `out`."""
+def _grid_level(index, offset, out):
+    """`(index + offset)**4` into `out`."""
     import torch
 
-    if code.signed:
-        if offset:
-            torch.add(index, offset, out=out)
-            out.mul_(1.0 / code.levels)
-        else:
-            torch.mul(index, 1.0 / code.levels, out=out)
-        out.mul_(out)
-        return
-    torch.add(index, 1.0 + offset, out=out)
-    out.mul_(1.0 / code.levels)
+    torch.add(index, offset, out=out)
     out.mul_(out)
     out.mul_(out)
 
