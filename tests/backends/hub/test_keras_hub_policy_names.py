@@ -26,9 +26,12 @@ keras_hub = pytest.importorskip(
 from hub_models import TINY  # noqa: E402
 from hub_models import causal_lm_data  # noqa: E402
 
+# Policy name -> the update and the state dtype of the optimizer the
+# compile hook installs.
 LOW_PRECISION = {
-    "kahan_bfloat16": "kahan",
-    "stochastic_bfloat16": "stochastic_rounding",
+    "kahan_bfloat16": ("kahan", None),
+    "stochastic_bfloat16": ("stochastic_rounding", None),
+    "stochastic_bfloat16_8bit": ("stochastic_rounding", "8bit"),
 }
 FLOAT8 = "float8_from_mixed_bfloat16"
 
@@ -91,7 +94,9 @@ def check_low_precision(backbone, name, fit=True):
     assert float_weight_dtypes(backbone) == {"bfloat16"}
     task = train(backbone) if fit else compiled_task(backbone)
     assert isinstance(task.optimizer, kdp.LowPrecisionOptimizer)
-    assert task.optimizer.update == LOW_PRECISION[name]
+    update, state_dtype = LOW_PRECISION[name]
+    assert task.optimizer.update == update
+    assert task.optimizer.state_dtype == state_dtype
 
 
 def check_float8(backbone, fit=True):
