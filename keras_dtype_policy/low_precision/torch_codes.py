@@ -91,7 +91,9 @@ def quantize(values, codes, scales, code, scratch, noise=None):
     inverse = grid / torch.where(scales > 0.0, scales, 1.0)
     position = relative
     position.view(-1, code.block).mul_(inverse[:, None])
-    position.clamp_(max=grid)
+    # No `minimum(position, grid)`: the piece is finite, so position
+    # exceeds the grid by a rounding at most, and the index's clip and the
+    # comparison below (position - low >= gap > gap * u) give the same code.
     torch.sqrt(position, out=index)
     if code.signed:
         index.floor_()
