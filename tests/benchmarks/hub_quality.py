@@ -24,12 +24,11 @@ keras-hub is not installed. Import this module only once
 `KERAS_BACKEND` is set. `KDP_HUB_QUALITY_ONLY`, a comma-separated list of
 configurations, runs a subset (mixed_bfloat16, the reference, always)."""
 
-import os
-
 import keras
 import numpy as np
 
 import keras_dtype_policy as kdp
+from tests.benchmarks import subsets
 
 VOCABULARY = 64
 LENGTH = 16
@@ -90,7 +89,9 @@ def run(sizes=None):
         initial = [_initial_weights(build, seed) for seed in seeds]
         batches = [data(seed) for seed in seeds]
         losses = {}
-        for configuration in _chosen():
+        for configuration in subsets.chosen(
+            "KDP_HUB_QUALITY_ONLY", CONFIGURATIONS, ("mixed_bfloat16",)
+        ):
             losses[configuration] = _train(
                 configuration, build, initial, batches
             )
@@ -206,18 +207,3 @@ def _split(x, y):
     x_train = {key: value[:train] for key, value in x.items()}
     x_test = {key: value[train:] for key, value in x.items()}
     return x_train, y[:train], x_test, y[train:]
-
-
-def _chosen():
-    """The configurations `KDP_HUB_QUALITY_ONLY` keeps, all by default."""
-    only = os.environ.get("KDP_HUB_QUALITY_ONLY")
-    if not only:
-        return CONFIGURATIONS
-    names = {name.strip() for name in only.split(",")} | {"mixed_bfloat16"}
-    unknown = names - set(CONFIGURATIONS)
-    if unknown:
-        raise ValueError(
-            "KDP_HUB_QUALITY_ONLY names unknown configurations. "
-            f"Received: {sorted(unknown)}; known: {list(CONFIGURATIONS)}"
-        )
-    return tuple(name for name in CONFIGURATIONS if name in names)

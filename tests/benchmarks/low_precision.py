@@ -36,8 +36,6 @@ comma-separated list of configurations, runs a subset).
 Import this module only once `KERAS_BACKEND` is set: it imports Keras.
 """
 
-import os
-
 import keras
 import numpy as np
 
@@ -46,6 +44,7 @@ from keras_dtype_policy.policies.global_policy import policy_scope
 from tests.benchmarks import low_precision_tasks as tasks
 from tests.benchmarks import measure
 from tests.benchmarks import stats
+from tests.benchmarks import subsets
 from tests.benchmarks import training
 
 MIXED = "mixed_bfloat16"
@@ -397,7 +396,9 @@ def run(sizes):
             steps.
     """
     quick = sizes.name == "quick"
-    configurations = _chosen()
+    configurations = subsets.chosen(
+        "KDP_BENCHMARK7_ONLY", CONFIGURATIONS, (MIXED, PLAIN)
+    )
     missing = []
     if not available():
         missing = [n for n in configurations if CONFIGURATIONS[n][1]]
@@ -421,20 +422,3 @@ def _optimizer_name(optimizer):
     if inner is None:
         return name
     return f"{name}({type(inner).__name__})"
-
-
-def _chosen():
-    """The configurations `KDP_BENCHMARK7_ONLY` (a comma-separated subset)
-    keeps, all by default; mixed_bfloat16 and bfloat16, the references,
-    always."""
-    only = os.environ.get("KDP_BENCHMARK7_ONLY")
-    if not only:
-        return list(CONFIGURATIONS)
-    names = {name.strip() for name in only.split(",")} | {MIXED, PLAIN}
-    unknown = names - set(CONFIGURATIONS)
-    if unknown:
-        raise ValueError(
-            "KDP_BENCHMARK7_ONLY names unknown configurations. "
-            f"Received: {sorted(unknown)}; known: {list(CONFIGURATIONS)}"
-        )
-    return [name for name in CONFIGURATIONS if name in names]

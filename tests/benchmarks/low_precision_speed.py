@@ -41,6 +41,7 @@ import numpy as np
 import keras_dtype_policy as kdp
 from keras_dtype_policy.policies.global_policy import policy_scope
 from tests.benchmarks import measure
+from tests.benchmarks import subsets
 from tests.benchmarks import training
 
 WIDTH = 256
@@ -135,7 +136,12 @@ def run(sizes):
     samples = (training.SKIP + steps) * BATCH
     x = rng.normal(size=(samples, WIDTH)).astype("float32")
     y = rng.integers(0, 10, size=(samples,))
-    models = {name: build(name, initial) for name in _chosen()}
+    models = {
+        name: build(name, initial)
+        for name in subsets.chosen(
+            "KDP_BENCHMARK9_ONLY", CONFIGURATIONS, (MIXED, PLAIN)
+        )
+    }
     optimizers = {
         name: type(model.optimizer).__name__ for name, model in models.items()
     }
@@ -171,18 +177,3 @@ def run(sizes):
         "targets": TARGETS,
         "rows": rows,
     }
-
-
-def _chosen():
-    """The configurations `KDP_BENCHMARK9_ONLY` keeps, all by default."""
-    only = os.environ.get("KDP_BENCHMARK9_ONLY")
-    if not only:
-        return CONFIGURATIONS
-    names = {name.strip() for name in only.split(",")} | {MIXED, PLAIN}
-    unknown = names - set(CONFIGURATIONS)
-    if unknown:
-        raise ValueError(
-            "KDP_BENCHMARK9_ONLY names unknown configurations. "
-            f"Received: {sorted(unknown)}; known: {list(CONFIGURATIONS)}"
-        )
-    return tuple(name for name in CONFIGURATIONS if name in names)
