@@ -5,8 +5,9 @@ the cheapest correct form each backend offers:
 
 - PyTorch: `torch._amp_foreach_non_finite_check_and_unscale_`, the kernel
   of `torch.amp.GradScaler`: one pass over the gradients checks and
-  unscales them in place. Where it is missing or refuses the tensors, the
-  portable path below.
+  unscales them in place, in copies the package makes (the caller's
+  gradients are never changed). Where it is missing or refuses the
+  tensors, the portable path below.
 - TensorFlow: one `L2Loss` a float32 gradient (a reduction that reads the
   tensor once and allocates nothing), summed: a finite sum proves every
   gradient finite. Only when the sum is not finite (a NaN or Inf, or
@@ -127,10 +128,8 @@ def check_and_unscale(grads, scale, keep=None):
 
     Returns:
         A tuple `(finite, unscaled_grads)`: a boolean scalar tensor, and the
-        gradients divided by the scale. On PyTorch the gradient tensors
-        themselves are unscaled in place (as `GradScaler.unscale_` does)
-        and returned; where a gradient is not finite, the values of the
-        returned list are unspecified.
+        gradients divided by the scale, in new tensors (`grads` are left as
+        they are).
     """
     keep = keep or [False] * len(grads)
     if len(keep) != len(grads):
@@ -249,10 +248,11 @@ def _torch_all_finite(tensors):
 def _torch_check_and_unscale(grads, scale, keep):
     """The fused PyTorch path; None where it does not apply.
 
-    Only float32 and float64 gradients are unscaled in place: a float16 or
-    bfloat16 gradient divided by the float32 scale becomes float32 in
-    Keras, and would lose its small values if unscaled in its own dtype.
-    Those, and the kept gradients, take the portable path beside it.
+    Only float32 and float64 gradients take it: a float16 or bfloat16
+    gradient divided by the float32 scale becomes float32 in Keras, and
+    would lose its small values if unscaled in its own dtype. Those, and
+    the kept gradients, take the portable path beside it. The kernel
+    unscales copies of the gradients in place, never the gradients given.
     """
     import torch
 
@@ -260,7 +260,7 @@ def _torch_check_and_unscale(grads, scale, keep):
     scale = torch.as_tensor(_value(scale))
     if kernel is None or scale.device.type not in _TORCH_DEVICES:
         return None
-    fused = []
+    fused_at = []
     others = []
     for index, (gradient, kept) in enumerate(zip(grads, keep, strict=True)):
         if gradient is None:
@@ -274,18 +274,23 @@ def _torch_check_and_unscale(grads, scale, keep):
         ):
             others.append(index)
         else:
-            fused.append(gradient)
+            fused_at.append(index)
+    unscaled = list(grads)
     with torch.no_grad():
         found = torch.zeros(1, dtype=torch.float32, device=scale.device)
-        if fused:
+        if fused_at:
+            # A copy costs less than the portable check and divide: the
+            # kernel then reads and writes the package's own tensors.
+            copies = [grads[i].clone() for i in fused_at]
             inverse = torch.reciprocal(scale.to(torch.float32)).reshape(1)
-            kernel(fused, found, inverse)
+            kernel(copies, found, inverse)
+            for index, copy in zip(fused_at, copies, strict=True):
+                unscaled[index] = copy
         finite = torch.eq(found[0], 0)
     if not others:
-        return finite, list(grads)
+        return finite, unscaled
     rest = [grads[i] for i in others]
     finite = torch.logical_and(finite, _torch_all_finite(rest))
-    unscaled = list(grads)
     rest = unscale(rest, scale, [keep[i] for i in others])
     for index, gradient in zip(others, rest, strict=True):
         unscaled[index] = gradient

@@ -124,6 +124,15 @@ class FixedLossScale(LossScale):
         """The scale, as tf.keras named it for every loss scale."""
         return self._value
 
+    def update(self, grads):
+        """Returns `(None, True)`, as TensorFlow's `FixedLossScale` did.
+
+        A fixed scale never moves, and neither checks `grads` nor ever asks
+        to skip a step (a `LossScaleOptimizer` with a fixed scale does).
+        """
+        del grads
+        return None, True
+
     def get_config(self):
         return {"loss_scale_value": self._value}
 

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_dtype_policy.loss_scaling import optimizer_values
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
 
@@ -95,6 +96,7 @@ def _check_inner_optimizer(inner_optimizer):
             f"instance. Received: inner_optimizer={inner_optimizer!r} "
             f"(of type {type(inner_optimizer).__name__})"
         )
+    optimizer_values.check_inner_learning_rate(inner_optimizer)
 
 
 def _scale_arguments(dynamic, initial_scale, dynamic_growth_steps):

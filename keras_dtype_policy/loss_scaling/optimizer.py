@@ -338,7 +338,8 @@ class LossScaleOptimizer(
             and keras.backend.backend() == "torch"
             and not self._skips_unscaling()
         ):
-            # One fused kernel checks and unscales (in place) every gradient.
+            # One fused kernel checks and unscales every gradient (in copies:
+            # the caller's gradients are left as they are).
             variables = trainable_variables or self._trainable_variables
             finite, unscaled = gradient_check.check_and_unscale(
                 grads, self.dynamic_scale, self._kept(variables)
@@ -349,7 +350,7 @@ class LossScaleOptimizer(
                 )
                 self._count_finite_step()
             else:
-                # In place, a NaN or Inf stays one: the attribution holds.
+                # Unscaled, a NaN or Inf stays one: the attribution holds.
                 self._stateful_handle_non_finite_grads(
                     unscaled, trainable_variables
                 )

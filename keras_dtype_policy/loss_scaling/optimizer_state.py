@@ -20,8 +20,10 @@ import keras
 import numpy as np
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from keras_dtype_policy.loss_scaling import optimizer_values
 
-def assign_optimizer_values(optimizer, values):
+
+def assign_optimizer_values(optimizer, values, strict=False):
     """Assigns saved values to a built optimizer, Keras 3 or tf.keras layout.
 
     Values in the optimizer's own layout are assigned in order. Otherwise
@@ -38,13 +40,22 @@ def assign_optimizer_values(optimizer, values):
     (`iteration`, `learning_rate`, a slot's name). Nothing is assigned
     unless a layout fits.
 
+    Values that make no sense (a negative step count, a NaN learning
+    rate) are refused or warned about before anything is assigned (see
+    `optimizer_values.check_saved`).
+
     Args:
         optimizer: A built `keras.optimizers.Optimizer` (not a wrapper).
         values: The saved arrays, in saved order.
+        strict: Whether a learning rate out of range is refused (for the
+            package's own optimizers) rather than warned about.
 
     Returns:
         True if the values fitted one of the layouts and were assigned,
         False (and nothing assigned) otherwise.
+
+    Raises:
+        ValueError: for a value out of range, naming the variable.
     """
     names = saved_names(values)
     values = [np.asarray(v) for v in values]
@@ -58,6 +69,7 @@ def assign_optimizer_values(optimizer, values):
         if layout is None or not fits(layout, values):
             return False
         targets = layout
+    optimizer_values.check_saved(targets, values, strict)
     for target, value in zip(targets, values, strict=True):
         if isinstance(target, _Dropped):
             continue
@@ -356,6 +368,10 @@ def keep_pending_values(optimizer, values, set_at_once=None):
         set_at_once = []
         if first is not None and first.shape == () and first.dtype.kind in "iu":
             set_at_once = [(optimizer.iterations, first)]
+    optimizer_values.check_saved(
+        [variable for variable, _ in set_at_once],
+        [value for _, value in set_at_once],
+    )
     before = [
         (variable, np.array(variable.numpy())) for variable, _ in set_at_once
     ]

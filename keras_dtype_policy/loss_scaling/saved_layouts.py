@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling import optimizer_state
+from keras_dtype_policy.loss_scaling import optimizer_values
 
 # The store of each saved record, below the optimizer's own store, and the
 # variable it holds. These names are part of the file format.
@@ -71,7 +72,9 @@ class SavedLayouts:
         tf.keras 2 layout), after which the scale starts from
         `initial_scale`. An optimizer not built yet keeps the values until
         it is. Values that fit none of these layouts are skipped with
-        Keras' warning, and nothing is assigned.
+        Keras' warning, and nothing is assigned. Values that make no sense
+        (a negative count, a scale or learning rate that is not finite)
+        are refused with a `ValueError` naming the variable.
         """
         values = optimizer_state.store_values(store)
         if not values:
@@ -149,6 +152,7 @@ class SavedLayouts:
         ]
         for targets, target_roles in layouts:
             if optimizer_state.fits(targets, values, names, target_roles):
+                optimizer_values.check_saved(targets, values)
                 for variable, value in zip(targets, values, strict=True):
                     variable.assign(value)
                 return True
@@ -158,7 +162,7 @@ class SavedLayouts:
                 for v, n in zip(values, names, strict=True)
             ]
         return optimizer_state.assign_optimizer_values(
-            self.inner_optimizer, values
+            self.inner_optimizer, values, strict=True
         )
 
     def _saved(self, name):
@@ -182,6 +186,7 @@ class SavedLayouts:
         # not fit: it is left out, and the counts start from zero.
         variable = getattr(self, name)
         if tuple(np.shape(value)) == tuple(variable.shape):
+            optimizer_values.check_saved([variable], [value])
             variable.assign(value)
 
     def _saved_record(self, name):

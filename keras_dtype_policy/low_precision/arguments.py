@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_dtype_policy.loss_scaling import optimizer_values
+
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
 STATE_DTYPES = (None, "float32", "bfloat16", "float16", "8bit", "4bit")
 
@@ -31,6 +33,7 @@ def check_inner_optimizer(inner_optimizer, wrapper_class):
             f"instance. Received: inner_optimizer={inner_optimizer!r} "
             f"(of type {type(inner_optimizer).__name__})"
         )
+    optimizer_values.check_inner_learning_rate(inner_optimizer)
     if inner_optimizer.use_ema:
         raise ValueError(
             "LowPrecisionOptimizer does not support an inner optimizer with "

@@ -5,6 +5,7 @@ import copy
 import keras
 from keras import ops
 
+from keras_dtype_policy.loss_scaling import optimizer_values
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import inner_step
@@ -319,6 +320,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def load_own_variables(self, store):
+        """Loads the saved state, refusing values that make no sense (a
+        negative step count, a learning rate that is not finite)."""
+        values = [store[str(i)] for i in range(len(store.keys()))]
+        if len(values) == len(self.variables):
+            optimizer_values.check_saved(self.variables, values)
+        super().load_own_variables(store)
 
     def get_config(self):
         return {

@@ -5,7 +5,10 @@ value instead of today's `dynamic`/`initial_scale` arguments, and saved
 `{"optimizer": ..., "loss_scale": ...}`. Here it is this package's
 `LossScaleOptimizer` with that signature; it reads both config layouts and
 is also found by `keras.optimizers.deserialize` under its tf.keras class
-name, `LossScaleOptimizerV1`.
+name, `LossScaleOptimizerV1`. As in tf.keras 2.4+, deserializing one
+(`keras.optimizers.deserialize`, `load_model`) gives the non-experimental
+`LossScaleOptimizer`; `LossScaleOptimizerV1.from_config` itself keeps the
+class.
 """
 
 import keras
@@ -14,6 +17,7 @@ from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.tf_keras_configs import scale_settings
 from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.policies.registration import registered_name
 
 
 @register
@@ -48,8 +52,21 @@ class LossScaleOptimizerV1(LossScaleOptimizer):
         super().__init__(optimizer, **scale_settings(scale))
 
 
+class _NonExperimentalReviver:
+    """What Keras' deserialization finds under `LossScaleOptimizerV1`'s
+    names: tf.keras 2.4+ revived the non-experimental optimizer."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return LossScaleOptimizer.from_config(
+            config, custom_objects=custom_objects
+        )
+
+
 # `keras.optimizers.deserialize({"class_name": "LossScaleOptimizerV1", ...})`
-# looks the bare class name up among Keras' custom objects.
-keras.saving.get_custom_objects().setdefault(
-    "LossScaleOptimizerV1", LossScaleOptimizerV1
-)
+# looks the bare class name up among Keras' custom objects; a file saved by
+# this package names the registered class. Saving still writes the
+# registered name (Keras keeps it by class, apart from this lookup).
+_custom_objects = keras.saving.get_custom_objects()
+_custom_objects.setdefault("LossScaleOptimizerV1", _NonExperimentalReviver)
+_custom_objects[registered_name(LossScaleOptimizerV1)] = _NonExperimentalReviver

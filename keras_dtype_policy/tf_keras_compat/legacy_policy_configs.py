@@ -3,9 +3,9 @@
 tf.keras serialized its policies as `{"class_name": "Policy", ...}`,
 `{"class_name": "PolicyV1", "config": {"name": ..., "loss_scale": ...}}` or
 `{"module": "keras.mixed_precision", "class_name": "Policy", ...}`; Keras 3
-reads none of these. As tf.keras did, a loss scale in such a config is
-dropped (the policy comes back as the non-experimental `DTypePolicy`), with
-a warning that names it.
+reads none of these. As tf.keras 2.4+ did, such a config comes back as the
+non-experimental `mixed_precision.Policy` of its name, and a loss scale in
+it is dropped, with a warning that names it.
 """
 
 import warnings
@@ -18,6 +18,9 @@ from keras_dtype_policy.policies.registration import PACKAGE
 from keras_dtype_policy.policies.registration import registered_name
 from keras_dtype_policy.tf_keras_compat.legacy_policy import INFER_POLICIES
 from keras_dtype_policy.tf_keras_compat.legacy_policy import Policy
+from keras_dtype_policy.tf_keras_compat.tf_keras_policy import (
+    Policy as NonExperimentalPolicy,
+)
 
 _LEGACY_CLASS_NAMES = ("Policy", "PolicyV1")
 # Dropped loss scales already reported in this process.
@@ -42,7 +45,8 @@ def policy_from_legacy_config(config):
             `Policy`.
 
     Returns:
-        A `DTypePolicy`, or a fresh infer `Policy` for the infer names.
+        tf.keras 2.4+'s `mixed_precision.Policy` of the config's name, or a
+        fresh infer `Policy` for the infer names.
     """
     inner = config.get("config")
     if not isinstance(inner, dict) or "name" not in inner:
@@ -54,7 +58,9 @@ def policy_from_legacy_config(config):
     loss_scale = inner.get("loss_scale")
     if loss_scale is not None:
         report_dropped_loss_scale(name, get_loss_scale(loss_scale))
-    return policy_for_name(name)
+    if isinstance(name, str) and name in INFER_POLICIES:
+        return Policy.create(name)
+    return NonExperimentalPolicy(name)
 
 
 def policy_for_name(name):
@@ -71,9 +77,9 @@ def report_dropped_loss_scale(name, loss_scale):
     _reported_scales.add(loss_scale)
     warnings.warn(
         f"The policy {name!r} was deserialized as the non-experimental "
-        f"DTypePolicy, as tf.keras did: its loss scale {loss_scale!r} is "
-        "dropped. To keep it, compile with keras_dtype_policy."
-        "LossScaleOptimizer, or rebuild the policy with "
+        f"mixed_precision.Policy, as tf.keras 2.4+ did: its loss scale "
+        f"{loss_scale!r} is dropped. To keep it, compile with "
+        "keras_dtype_policy.LossScaleOptimizer, or rebuild the policy with "
         "keras_dtype_policy.Policy.from_config.",
         UserWarning,
         stacklevel=2,

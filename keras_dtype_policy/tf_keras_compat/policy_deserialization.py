@@ -19,7 +19,8 @@ def make_from_config(original_from_config):
     Keras' own `Operation.from_config` turns every plain serialized policy
     into its name, so a layer saved with a `keras_dtype_policy.DTypePolicy`
     would come back with Keras' own class. This passes the deserialized
-    policy object to the layer instead, for this package's classes only.
+    policy object to the layer instead, for this package's classes and for
+    tf.keras' policy configs (which give tf.keras 2.4+'s `Policy`).
 
     Args:
         original_from_config: Keras' own `Operation.from_config` (a
@@ -32,7 +33,12 @@ def make_from_config(original_from_config):
 
     def from_config(cls, config):
         dtype = config.get("dtype") if isinstance(config, dict) else None
-        if is_package_policy_config(dtype):
+        if legacy_policy_configs.is_legacy_policy_config(dtype):
+            config = dict(config)
+            config["dtype"] = legacy_policy_configs.policy_from_legacy_config(
+                dtype
+            )
+        elif is_package_policy_config(dtype):
             config = dict(config)
             config["dtype"] = keras.dtype_policies.deserialize(dtype)
         policy = config.get("dtype") if isinstance(config, dict) else None

@@ -71,6 +71,17 @@ WRAPPERS = {
     ),
 }
 NAMES = sorted(WRAPPERS)
+# Wrappers that Keras' deserialization (and so `load_model`) revives as
+# another class: TensorFlow 2.3's optimizer as the 2.4+ one, as tf.keras
+# 2.4+ did. Their own `from_config` keeps the class.
+REVIVED_AS = {"experimental_loss_scale": kdp.LossScaleOptimizer}
+
+
+def revived_type(name, optimizer):
+    """The class Keras' deserialization gives back for wrapper `name`."""
+    return REVIVED_AS.get(name, type(optimizer))
+
+
 # Keras compiles jax and TensorFlow steps with XLA when asked; its torch
 # backend would hand the step to torch.compile, so on torch the step runs
 # eagerly.
@@ -172,7 +183,10 @@ def test_save_and_load_then_the_next_step_is_identical(
         restored = compiled_model(name)
         restored.optimizer.build(restored.trainable_variables)
         restored.load_weights(path)
-    assert type(restored.optimizer) is type(model.optimizer)
+    expected = type(model.optimizer)
+    if file_format == ".keras":
+        expected = revived_type(name, model.optimizer)
+    assert type(restored.optimizer) is expected
     saved = [as_float32(v) for v in model.optimizer.variables]
     loaded = [as_float32(v) for v in restored.optimizer.variables]
     assert len(saved) == len(loaded)
@@ -195,7 +209,7 @@ def test_config_round_trip_through_json(name):
     deserialized = keras.saving.deserialize_keras_object(
         json.loads(json.dumps(serialized))
     )
-    assert type(deserialized) is type(optimizer)
+    assert type(deserialized) is revived_type(name, optimizer)
     assert deserialized.get_config() == optimizer.get_config()
 
 

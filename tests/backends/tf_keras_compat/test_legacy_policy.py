@@ -14,6 +14,7 @@ from keras_dtype_policy import DTypePolicy
 from keras_dtype_policy import DynamicLossScale
 from keras_dtype_policy import FixedLossScale
 from keras_dtype_policy import Policy
+from keras_dtype_policy import mixed_precision
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 
 
@@ -159,14 +160,15 @@ def test_from_config_rejects_bad_configs(config):
         Policy.from_config(config)
 
 
-def test_keras_functions_yield_dtype_policy_and_warn_once():
+def test_keras_functions_yield_the_2_4_policy_and_warn_once():
     policy = Policy("mixed_float16", loss_scale=512)
     serialized = keras.saving.serialize_keras_object(policy)
     with pytest.warns(
         UserWarning, match=r"FixedLossScale\(loss_scale_value=512"
     ):
         revived = keras.saving.deserialize_keras_object(serialized)
-    assert type(revived) is DTypePolicy
+    # tf.keras 2.4+ revived its non-experimental `Policy`.
+    assert type(revived) is mixed_precision.Policy
     assert revived.name == "mixed_float16"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -177,12 +179,12 @@ def test_layer_from_config_and_load_model_drop_the_scale(tmp_path):
     layer = keras.layers.Dense(2, dtype=Policy("mixed_float16", loss_scale=64))
     with pytest.warns(UserWarning, match="dropped"):
         revived = keras.layers.Dense.from_config(layer.get_config())
-    assert type(revived.dtype_policy) is DTypePolicy
+    assert type(revived.dtype_policy) is mixed_precision.Policy
     assert revived.dtype_policy.name == "mixed_float16"
     model = keras.Sequential([keras.Input((3,)), layer])
     model.save(tmp_path / "m.keras")
     loaded = keras.saving.load_model(tmp_path / "m.keras")
-    assert type(loaded.layers[0].dtype_policy) is DTypePolicy
+    assert type(loaded.layers[0].dtype_policy) is mixed_precision.Policy
 
 
 def test_set_policy_and_global_policy_as_the_seeds_use_them():
