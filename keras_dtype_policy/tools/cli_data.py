@@ -55,9 +55,11 @@ def read_npz(path, samples):
     except file_limits.FileLimitError as error:
         raise CommandError(str(error)) from None
     except FileNotFoundError:
-        raise CommandError(f"{where}: no such file") from None
+        raise CommandError(f"{where}: cannot be read: no such file") from None
     except IsADirectoryError:
-        raise CommandError(f"{where}: is a directory, not a file") from None
+        raise CommandError(
+            f"{where}: cannot be read: is a directory, not a file"
+        ) from None
     except zipfile.BadZipFile as error:
         raise CommandError(
             f"{where}: not an .npz file, or a damaged one: {error}"
