@@ -12,8 +12,10 @@ for the training config of `.h5` files), object by object.
 """
 
 import dataclasses
+import math
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 
@@ -27,6 +29,7 @@ from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import config_translation
+from keras_dtype_policy.tf_keras_compat import file_limits
 from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 from keras_dtype_policy.tf_keras_compat import model_files
@@ -36,6 +39,11 @@ _KERAS_POLICIES = (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
 _CLASS_KEYS = ("class_name", "module", "registered_name")
 _COMPILE_KEYS = ("compile_config", "training_config")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_config")
+# The most bytes of weights a migration writes: this many times its source
+# file's size (a policy of wider variables doubles them, a first optimizer
+# state triples them), plus `OUTPUT_SLACK`.
+OUTPUT_GROWTH = 8
+OUTPUT_SLACK = 64 * 2**20
 
 
 @dataclasses.dataclass
@@ -109,9 +117,15 @@ def migrate(old, new, overwrite=False, policy=None):
             raise ModelFileError(
                 f"{new}: exists already (use --force to replace it)"
             )
-    changes = config_changes(source)
-    dropped = dropped_loss_scales(source.model_config)
     model, messages = model_files.load_model(source)
+    try:
+        changes = config_changes(source)
+        dropped = dropped_loss_scales(source.model_config)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise ModelFileError(
+            f"{source.path}: cannot be translated: "
+            f"{type(error).__name__}: {error}"
+        ) from None
     adopt_package_policies(model, source.model_config)
     changes = [_with_loaded_policy(change, model) for change in changes]
     notes = [m for m in messages if "loss scale" not in m]
@@ -131,8 +145,8 @@ def migrate(old, new, overwrite=False, policy=None):
             f"({int(keras.ops.convert_to_numpy(optimizer.iterations))} "
             "iterations) is kept"
         )
-    _save(model, new)
-    weights, optimizer_values = verify(model, new)
+    check_output_size(model, source.path)
+    weights, optimizer_values = _save_verified(model, new)
     return Migration(
         source=source,
         target=new,
@@ -253,8 +267,66 @@ def _layer_dtypes(config):
     yield from visit(config, "")
 
 
-def verify(model, path):
+def check_output_size(model, source_path):
+    """Refuses a model that would be written far larger than its source.
+
+    A file that declares sizes its weights do not hold (a layer config
+    asking for huge `units`, datasets left unwritten) would otherwise
+    expand into a file many times its size.
+
+    Args:
+        model: The loaded model, with its optimizer's variables.
+        source_path: The file (or SavedModel directory) it came from.
+
+    Raises:
+        ModelFileError: naming the largest weight, if the weights' bytes
+            exceed `OUTPUT_GROWTH` times the source's plus `OUTPUT_SLACK`.
+    """
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    total = 0
+    for variable in variables:
+        shape = tuple(variable.shape)
+        try:
+            file_limits.check_declared_shape(shape, f"weight {variable.path}")
+        except file_limits.FileLimitError as error:
+            raise ModelFileError(f"{source_path}: {error}") from None
+        total += math.prod(shape) * _item_bytes(variable.dtype)
+    limit = OUTPUT_GROWTH * _size_on_disk(source_path) + OUTPUT_SLACK
+    if total > limit and variables:
+        largest = max(variables, key=lambda v: math.prod(tuple(v.shape)))
+        raise ModelFileError(
+            f"{source_path}: its config declares {total} bytes of weights, "
+            f"more than {OUTPUT_GROWTH} times the file's size: the file does "
+            f"not hold them (the largest: {largest.path} of shape "
+            f"{tuple(largest.shape)})"
+        )
+
+
+def _item_bytes(dtype):
+    """The bytes of one element of `dtype` (`"bfloat16"`: 2), at least 1."""
+    bits = re.findall(r"\d+", str(dtype))
+    return max(1, int(bits[0]) // 8) if bits else 1
+
+
+def _size_on_disk(path):
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+def verify(model, path, name=None):
     """Loads `path` and checks it holds `model`'s weights and optimizer.
+
+    Values compare NaN-aware: a NaN matches a NaN.
+
+    Args:
+        model: The model that was saved.
+        path: The file written.
+        name: The file's name in messages; `path` if None.
 
     Returns:
         The numbers of weights and of optimizer values compared.
@@ -262,6 +334,7 @@ def verify(model, path):
     Raises:
         ModelFileError: if anything differs.
     """
+    shown = path if name is None else name
     written = model_files.read_model_file(path)
     reloaded, _ = model_files.load_model(written)
     pairs = [("weight", model.weights, reloaded.weights)]
@@ -277,33 +350,39 @@ def verify(model, path):
     for what, expected, found in pairs:
         if len(expected) != len(found):
             raise ModelFileError(
-                f"{path}: holds {len(found)} {what}s instead of "
+                f"{shown}: holds {len(found)} {what}s instead of "
                 f"{len(expected)}; the migration is incomplete"
             )
         for a, b in zip(expected, found, strict=True):
             if not np.array_equal(
-                keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+                keras.ops.convert_to_numpy(a),
+                keras.ops.convert_to_numpy(b),
+                equal_nan=True,
             ):
                 raise ModelFileError(
-                    f"{path}: its {what} {b.path} differs from the "
+                    f"{shown}: its {what} {b.path} differs from the "
                     "original's; the migration is incomplete"
                 )
     return len(model.weights), len(pairs[1][1]) if len(pairs) > 1 else 0
 
 
-def _save(model, path):
-    """Saves through a temporary file, so a failure leaves no half file."""
+def _save_verified(model, path):
+    """Saves to a temporary file beside `path`, verifies it, then moves it
+    to `path`: any failure (the verification's too) leaves `path` as it
+    was. Returns what `verify` returns."""
     handle, temporary = tempfile.mkstemp(
         suffix=".keras", prefix=".migrating-", dir=path.parent
     )
     os.close(handle)
     try:
         model.save(temporary)
+        counts = verify(model, temporary, name=path)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+    return counts
 
 
 def _diff(before, after, subject, keys, prefix=""):

@@ -111,6 +111,11 @@ def audit(
     generated = x is None
     if generated:
         x = _generated_inputs(model, samples, seed)
+    elif not _length(x):
+        raise ValueError(
+            "`x` holds 0 samples: there is nothing to audit. Received: x "
+            f"of shape {np.shape(keras.tree.flatten(x)[0])}"
+        )
     if loss is None and y is not None and getattr(model, "compiled", False):
         loss = getattr(model, "loss", None)
 

@@ -2,7 +2,7 @@
 
 Every command runs on the backend that `KERAS_BACKEND` names. A user error
 (a missing file, a file that is no model, an unknown policy, a bad option,
-a backend that does not import) prints one line,
+a backend that does not import, a damaged or hostile file) prints one line,
 `keras-dtype-policy: error: ...`, on standard error and exits with status 2
 for a bad command line and 1 for anything else, without a traceback.
 `--help` and `--version` need no backend: the commands (`cli_machine`,
@@ -25,6 +25,8 @@ from keras_dtype_policy.tools.cli_arguments import NONFINITE
 from keras_dtype_policy.tools.cli_arguments import UNSAFE
 from keras_dtype_policy.tools.cli_arguments import USAGE_ERROR
 from keras_dtype_policy.tools.cli_arguments import CommandError
+from keras_dtype_policy.tools.cli_errors import describe
+from keras_dtype_policy.tools.cli_errors import one_line
 from keras_dtype_policy.version import __version__
 
 __all__ = ["NONFINITE", "UNSAFE", "CommandError", "build_parser", "main"]
@@ -81,7 +83,7 @@ def main(argv=None):
         _check_backend()
         status = args.handler(args)
     except CommandError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr)
         return error.status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -89,6 +91,11 @@ def main(argv=None):
     except BrokenPipeError:
         # The reader went away (`| head`): nothing more to say to it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return FAILURE
+    except Exception as error:
+        # The last resort: whatever a file made fail, one line, no
+        # traceback (the commands name the usual failures themselves).
+        print(f"{PROG}: error: {one_line(describe(error))}", file=sys.stderr)
         return FAILURE
     return status or 0
 

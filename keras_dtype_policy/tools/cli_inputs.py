@@ -6,7 +6,10 @@ line's parser must work where Keras does not import.
 
 import re
 
+from keras_dtype_policy.tf_keras_compat import file_limits
 from keras_dtype_policy.tools.cli_arguments import CommandError
+from keras_dtype_policy.tools.cli_data import read_npz
+from keras_dtype_policy.tools.cli_errors import file_failure
 from keras_dtype_policy.tools.cli_imports import import_modules
 
 
@@ -36,24 +39,36 @@ def load_model(path):
     """Loads a model file, reporting what fails in one line."""
     from keras_dtype_policy.tf_keras_compat import model_files
 
+    check_model_path(path, "MODEL")
     try:
         model, _ = model_files.load_model(model_files.read_model_file(path))
     except model_files.ModelFileError as error:
         raise CommandError(with_hint(error)) from None
+    except Exception as error:
+        raise file_failure(path, error) from None
     return model
+
+
+def check_model_path(path, argument):
+    """Refuses, before anything opens it, a path that is neither a regular
+    file nor a directory (a FIFO would block for ever)."""
+    try:
+        file_limits.check_path_kind(path, argument)
+    except file_limits.FileLimitError as error:
+        raise CommandError(str(error)) from None
 
 
 def read_data(path, samples):
     """Returns `(x, y)` from an `.npz` file; x a dict for named inputs."""
     if path is None:
         return None, None
-    import numpy as np
-
-    try:
-        with np.load(path) as data:
-            arrays = {key: data[key][:samples] for key in data.files}
-    except (OSError, ValueError) as error:
-        raise CommandError(f"--data {path}: cannot be read: {error}") from None
+    arrays = read_npz(path, samples)
+    empty = [name for name, array in arrays.items() if not len(array)]
+    if empty:
+        raise CommandError(
+            f"--data {path}: array {empty[0]!r} holds 0 samples: there is "
+            "nothing to run the model on"
+        )
     y = arrays.pop("y", None)
     if "x" in arrays:
         return arrays["x"], y

@@ -8,7 +8,9 @@ line's parser must work where Keras does not import.
 from keras_dtype_policy.tools.cli_arguments import CommandError
 from keras_dtype_policy.tools.cli_arguments import add_import_option
 from keras_dtype_policy.tools.cli_arguments import print_report
+from keras_dtype_policy.tools.cli_errors import file_failure
 from keras_dtype_policy.tools.cli_imports import import_modules
+from keras_dtype_policy.tools.cli_inputs import check_model_path
 from keras_dtype_policy.tools.cli_inputs import with_hint
 
 
@@ -78,17 +80,29 @@ def run_inspect(args):
     from keras_dtype_policy.tools import weights_file_state
 
     import_modules(args.imports)
+    check_model_path(args.model, "MODEL")
     try:
         report = model_report.build_report(args.model)
+        format_report = model_report.format_report
     except ModelFileError as error:
         # A weights file of Keras 3 holds no model, but its optimizer
         # state can be told from the stored variables.
-        report = weights_file_state.build_report(args.model)
+        report = _weights_file_report(args.model)
         if report is None:
             raise CommandError(with_hint(error)) from None
-        print_report(report, weights_file_state.format_report, args.json)
-        return
-    print_report(report, model_report.format_report, args.json)
+        format_report = weights_file_state.format_report
+    except Exception as error:
+        raise file_failure(args.model, error) from None
+    print_report(report, format_report, args.json)
+
+
+def _weights_file_report(path):
+    from keras_dtype_policy.tools import weights_file_state
+
+    try:
+        return weights_file_state.build_report(path)
+    except Exception as error:
+        raise file_failure(path, error) from None
 
 
 def run_migrate(args):
@@ -98,10 +112,13 @@ def run_migrate(args):
     from keras_dtype_policy.tools.migration_report import format_migration
 
     import_modules(args.imports)
+    check_model_path(args.old, "OLD")
     try:
         migration = migrate.migrate(
             args.old, args.new, overwrite=args.force, policy=args.policy
         )
     except ModelFileError as error:
         raise CommandError(with_hint(error)) from None
+    except Exception as error:
+        raise file_failure(args.old, error) from None
     print("\n".join(format_migration(migration)))

@@ -14,6 +14,7 @@ from keras_dtype_policy.tools.cli_arguments import add_import_option
 from keras_dtype_policy.tools.cli_arguments import check_plot_path
 from keras_dtype_policy.tools.cli_arguments import positive_float
 from keras_dtype_policy.tools.cli_arguments import positive_int
+from keras_dtype_policy.tools.cli_errors import file_failure
 from keras_dtype_policy.tools.cli_inputs import load_model_and_data
 
 
@@ -125,6 +126,8 @@ def run_audit(args):
         )
     except (TypeError, ValueError) as error:
         raise CommandError(f"{args.model}: {error}") from None
+    except Exception as error:
+        raise file_failure(args.model, error) from None
     lost = None
     if args.learning_rate is not None:
         lost = _lost_updates(model, x, y, args)
@@ -165,6 +168,8 @@ def _lost_updates(model, x, y, args):
         return lost_updates(model, x, y, args.learning_rate, dtype=dtype)
     except (TypeError, ValueError) as error:
         raise CommandError(f"{args.model}: {error}") from None
+    except Exception as error:
+        raise file_failure(args.model, error) from None
 
 
 def run_find_nonfinite(args):
@@ -178,6 +183,8 @@ def run_find_nonfinite(args):
         )
     except (TypeError, ValueError) as error:
         raise CommandError(f"{args.model}: {error}") from None
+    except Exception as error:
+        raise file_failure(args.model, error) from None
     print(str(report))
     return NONFINITE if report else 0
 
