@@ -72,7 +72,11 @@ def make_h5_model_loader(original_loader):
     def load_model_from_hdf5(filepath, *args, **kwargs):
         if isinstance(filepath, (str, os.PathLike)):
             file_limits.check_path_kind(filepath)
-        with _marked(_loading_h5_model), loading_saved_state():
+        with (
+            file_limits.malformed_as_value_errors(filepath),
+            _marked(_loading_h5_model),
+            loading_saved_state(),
+        ):
             return original_loader(filepath, *args, **kwargs)
 
     return load_model_from_hdf5

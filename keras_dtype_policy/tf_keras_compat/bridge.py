@@ -64,6 +64,13 @@ def model_from_json(json_string, custom_objects=None):
         )
     except RecursionError:
         raise _too_deep() from None
+    except (AttributeError, KeyError, IndexError) as error:
+        # Keras' deserialization meets a value of the wrong type.
+        raise ValueError(
+            "`json_string` holds a config that cannot be built: "
+            f"{type(error).__name__}: {error}. "
+            f"Received: json_string={json_string[:80]!r}"
+        ) from error
     if not isinstance(model, keras.layers.Layer):
         raise ValueError(
             "`json_string` must hold a model config, but it builds a "

@@ -83,7 +83,8 @@ def is_tf_keras_config(config):
     module = config.get("module")
     if isinstance(module, str) and module.startswith(_TF_KERAS_MODULE_PREFIXES):
         return True
-    layers = (config.get("config") or {}).get("layers")
+    inner = config.get("config")
+    layers = inner.get("layers") if isinstance(inner, dict) else None
     return isinstance(layers, list) and any(
         isinstance(layer, dict)
         and "batch_input_shape" in (layer.get("config") or {})

@@ -8,6 +8,7 @@ a layer config's `units`/`filters`, a config's nesting. Each refusal
 names the field.
 """
 
+import contextlib
 import math
 import os
 import stat
@@ -211,6 +212,33 @@ def _check_attribute_shapes(item, source):
         check_declared_shape(
             shape or (), f"{source}: attribute {name!r} of {item.name!r}"
         )
+
+
+class MalformedFileError(ValueError, KeyError, AttributeError, IndexError):
+    """A file whose contents Keras' loader stumbled on (a missing group, a
+    name of the wrong type): a `ValueError`, and still the error it was."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+@contextlib.contextmanager
+def malformed_as_value_errors(source):
+    """Raises Keras' KeyError/AttributeError/IndexError on a malformed file
+    as a `MalformedFileError` naming the file.
+
+    Args:
+        source: The file, for the message.
+    """
+    try:
+        yield
+    except (KeyError, AttributeError, IndexError) as error:
+        if isinstance(error, MalformedFileError):
+            raise
+        raise MalformedFileError(
+            f"{os.fspath(source)}: cannot be loaded, the file is malformed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def _kind_name(mode):
