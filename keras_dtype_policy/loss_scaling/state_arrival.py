@@ -22,14 +22,12 @@ by `keras_dtype_policy.uninstall()`) gives them all Keras' methods back.
 import contextlib
 import contextvars
 import functools
-import os
 import types
 import weakref
 
 import keras
 
 from keras_dtype_policy.loss_scaling import optimizer_state
-from keras_dtype_policy.tf_keras_compat import file_limits
 
 # The methods `teach_tf_keras_layout` sets on an optimizer instance.
 TAUGHT_METHODS = ("build", "load_own_variables", "set_weights")
@@ -69,15 +67,9 @@ def make_h5_model_loader(original_loader):
     """
 
     @functools.wraps(original_loader)
-    def load_model_from_hdf5(filepath, *args, **kwargs):
-        if isinstance(filepath, (str, os.PathLike)):
-            file_limits.check_path_kind(filepath)
-        with (
-            file_limits.malformed_as_value_errors(filepath),
-            _marked(_loading_h5_model),
-            loading_saved_state(),
-        ):
-            return original_loader(filepath, *args, **kwargs)
+    def load_model_from_hdf5(*args, **kwargs):
+        with _marked(_loading_h5_model), loading_saved_state():
+            return original_loader(*args, **kwargs)
 
     return load_model_from_hdf5
 
@@ -98,15 +90,13 @@ def make_weights_loader(original_loader):
     """
 
     @functools.wraps(original_loader)
-    def load_weights_only(model, filepath, *args, **kwargs):
-        if isinstance(filepath, (str, os.PathLike)):
-            file_limits.check_path_kind(filepath)
+    def load_weights_only(model, *args, **kwargs):
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer
         ):
             teach_tf_keras_layout(optimizer)
-        return original_loader(model, filepath, *args, **kwargs)
+        return original_loader(model, *args, **kwargs)
 
     return load_weights_only
 

@@ -1,6 +1,8 @@
 """Loading what tf.keras 2 saved: the hooks on Keras' loaders, and JSON."""
 
+import functools
 import json
+import os
 
 import keras
 
@@ -131,3 +133,36 @@ def make_compile_args_from_training_config(original):
 
     compile_args_from_training_config.__wrapped__ = original
     return compile_args_from_training_config
+
+
+def make_h5_model_loader(original):
+    """Wraps the legacy .h5 model loader (see `state_arrival`).
+
+    A FIFO or device is refused before it is opened, and the KeyError or
+    AttributeError of a malformed file becomes a `MalformedFileError` (a
+    ValueError, still the error it was) naming the file.
+    """
+    loader = state_arrival.make_h5_model_loader(original)
+
+    @functools.wraps(original)
+    def load_model_from_hdf5(filepath, *args, **kwargs):
+        if isinstance(filepath, (str, os.PathLike)):
+            file_limits.check_path_kind(filepath)
+        with file_limits.malformed_as_value_errors(filepath):
+            return loader(filepath, *args, **kwargs)
+
+    return load_model_from_hdf5
+
+
+def make_weights_loader(original):
+    """Wraps `load_weights_only` (see `state_arrival`): a FIFO or device is
+    refused before it is opened."""
+    loader = state_arrival.make_weights_loader(original)
+
+    @functools.wraps(original)
+    def load_weights_only(model, filepath, *args, **kwargs):
+        if isinstance(filepath, (str, os.PathLike)):
+            file_limits.check_path_kind(filepath)
+        return loader(model, filepath, *args, **kwargs)
+
+    return load_weights_only
