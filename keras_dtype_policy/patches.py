@@ -123,14 +123,16 @@ PATCHES = (
     Patch(
         legacy_h5_format,
         "load_model_from_hdf5",
-        state_arrival.make_h5_model_loader,
-        "Keep .h5 optimizer state past the loader's empty placeholder build.",
+        tf_keras_bridge.make_h5_model_loader,
+        "Keep .h5 optimizer state past the loader's empty placeholder build; "
+        "refuse FIFOs and devices, and name the file a KeyError comes from.",
     ),
     Patch(
         saving_lib,
         "load_weights_only",
-        state_arrival.make_weights_loader,
-        "Let load_weights restore optimizer state the way load_model does.",
+        tf_keras_bridge.make_weights_loader,
+        "Let load_weights restore optimizer state the way load_model does; "
+        "refuse FIFOs and devices.",
     ),
     Patch(
         KerasLossScaleOptimizer,

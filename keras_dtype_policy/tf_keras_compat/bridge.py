@@ -1,11 +1,14 @@
 """Loading what tf.keras 2 saved: the hooks on Keras' loaders, and JSON."""
 
+import functools
 import json
+import os
 
 import keras
 
 from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.tf_keras_compat import config_translation
+from keras_dtype_policy.tf_keras_compat import file_limits
 
 
 def model_from_json(json_string, custom_objects=None):
@@ -21,6 +24,12 @@ def model_from_json(json_string, custom_objects=None):
 
     Returns:
         An uncompiled Keras model, with freshly initialized weights.
+
+    Raises:
+        TypeError: if `json_string` is not a string.
+        ValueError: if it is not JSON, names no class or config to build,
+            is nested too deeply, or declares sizes past the limits of
+            `file_limits` (such as `units` above 2**24).
     """
     if not isinstance(json_string, (str, bytes)):
         raise TypeError(
@@ -34,14 +43,50 @@ def model_from_json(json_string, custom_objects=None):
             f"`json_string` is not valid JSON: {error}. "
             f"Received: json_string={json_string[:80]!r}..."
         ) from None
-    if not isinstance(config, dict) or "class_name" not in config:
+    except RecursionError:
+        raise _too_deep() from None
+    if not isinstance(config, dict) or not isinstance(
+        config.get("class_name"), str
+    ):
         raise ValueError(
             "`json_string` must hold a model config with a 'class_name'. "
             f"Received: json_string={json_string[:80]!r}"
         )
-    config = config_translation.translate_model_config(config)
-    return keras.models.model_from_json(
-        json.dumps(config), custom_objects=custom_objects
+    if not isinstance(config.get("config"), (dict, list)):
+        raise ValueError(
+            "`json_string` must hold a model config with a 'config' to "
+            f"build {config['class_name']!r} from. "
+            f"Received: json_string={json_string[:80]!r}"
+        )
+    file_limits.check_model_config(config, "`json_string`")
+    try:
+        config = config_translation.translate_model_config(config)
+        model = keras.models.model_from_json(
+            json.dumps(config), custom_objects=custom_objects
+        )
+    except RecursionError:
+        raise _too_deep() from None
+    except (AttributeError, KeyError, IndexError) as error:
+        # Keras' deserialization meets a value of the wrong type.
+        raise ValueError(
+            "`json_string` holds a config that cannot be built: "
+            f"{type(error).__name__}: {error}. "
+            f"Received: json_string={json_string[:80]!r}"
+        ) from error
+    if not isinstance(model, keras.layers.Layer):
+        raise ValueError(
+            "`json_string` must hold a model config, but it builds a "
+            f"{type(model).__name__}. "
+            f"Received: json_string={json_string[:80]!r}"
+        )
+    return model
+
+
+def _too_deep():
+    return file_limits.FileLimitError(
+        "`json_string` holds a config nested too deeply to build (more "
+        f"than {file_limits.MAX_CONFIG_DEPTH} levels, or too deep for "
+        "Python's recursion limit)"
     )
 
 
@@ -53,9 +98,9 @@ def make_model_from_config_json(original):
     """
 
     def model_from_config_json(config_json, *args, **kwargs):
-        config = config_translation.translate_model_config(
-            json.loads(config_json)
-        )
+        config = json.loads(config_json)
+        file_limits.check_model_config(config, "config.json")
+        config = config_translation.translate_model_config(config)
         with state_arrival.loading_saved_state():
             return original(json.dumps(config), *args, **kwargs)
 
@@ -68,6 +113,7 @@ def make_model_from_config(original):
 
     def model_from_config(config, custom_objects=None):
         if isinstance(config, dict):
+            file_limits.check_model_config(config, "model_config")
             config = config_translation.translate_model_config(config)
         return original(config, custom_objects=custom_objects)
 
@@ -87,3 +133,36 @@ def make_compile_args_from_training_config(original):
 
     compile_args_from_training_config.__wrapped__ = original
     return compile_args_from_training_config
+
+
+def make_h5_model_loader(original):
+    """Wraps the legacy .h5 model loader (see `state_arrival`).
+
+    A FIFO or device is refused before it is opened, and the KeyError or
+    AttributeError of a malformed file becomes a `MalformedFileError` (a
+    ValueError, still the error it was) naming the file.
+    """
+    loader = state_arrival.make_h5_model_loader(original)
+
+    @functools.wraps(original)
+    def load_model_from_hdf5(filepath, *args, **kwargs):
+        if isinstance(filepath, (str, os.PathLike)):
+            file_limits.check_path_kind(filepath)
+        with file_limits.malformed_as_value_errors(filepath):
+            return loader(filepath, *args, **kwargs)
+
+    return load_model_from_hdf5
+
+
+def make_weights_loader(original):
+    """Wraps `load_weights_only` (see `state_arrival`): a FIFO or device is
+    refused before it is opened."""
+    loader = state_arrival.make_weights_loader(original)
+
+    @functools.wraps(original)
+    def load_weights_only(model, filepath, *args, **kwargs):
+        if isinstance(filepath, (str, os.PathLike)):
+            file_limits.check_path_kind(filepath)
+        return loader(model, filepath, *args, **kwargs)
+
+    return load_weights_only

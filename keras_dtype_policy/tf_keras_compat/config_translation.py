@@ -15,6 +15,8 @@ else:
   that would change the computation raises), `batch_input_shape` on a
   layer other than an InputLayer, and one-element `axis` lists;
 - layer names holding "/" (tf.keras' applications), which Keras 3 refuses;
+- a `Lambda`'s bytecode in tf.keras' list form, which becomes Keras 3's
+  `__lambda__` form: Keras refuses it in safe mode, with its message;
 - tf.keras' loss objects in compile configs (`fn`, `reduction="auto"`:
   see `compile_objects`);
 - MultiHeadAttention's saved shapes (`attention_configs`), and the call
@@ -81,7 +83,8 @@ def is_tf_keras_config(config):
     module = config.get("module")
     if isinstance(module, str) and module.startswith(_TF_KERAS_MODULE_PREFIXES):
         return True
-    layers = (config.get("config") or {}).get("layers")
+    inner = config.get("config")
+    layers = inner.get("layers") if isinstance(inner, dict) else None
     return isinstance(layers, list) and any(
         isinstance(layer, dict)
         and "batch_input_shape" in (layer.get("config") or {})
@@ -232,6 +235,8 @@ def _translate_object(node, from_tf_keras):
     inner = node["config"]
     if "dtype" in inner:
         inner["dtype"] = _translate_dtype(inner["dtype"], from_tf_keras)
+    if class_name == "Lambda":
+        _translate_lambda(inner)
     if from_tf_keras:
         # Before the keys Keras 3 refuses go: the saved shapes become a
         # build config.
@@ -253,6 +258,24 @@ def _translate_object(node, from_tf_keras):
             functional_nodes.translate_nodes(inner)
             node["config"] = _without_slashed_layer_names(inner)
     return node
+
+
+def _translate_lambda(config):
+    """Puts tf.keras' `[code, defaults, closure]` into Keras 3's form."""
+    for key, kind in (("function", "function_type"), ("output_shape", None)):
+        value = config.get(key)
+        kind_key = kind or f"{key}_type"
+        if config.get(kind_key) == "lambda" and isinstance(value, list):
+            code, defaults, closure = (list(value) + [None, None])[:3]
+            config[key] = {
+                "class_name": "__lambda__",
+                "config": {
+                    "code": code,
+                    "defaults": defaults,
+                    "closure": closure,
+                },
+            }
+        config.pop(kind_key, None)
 
 
 def _give_sequential_an_input(config):

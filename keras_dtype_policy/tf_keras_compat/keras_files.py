@@ -18,6 +18,7 @@ import zipfile
 import keras
 
 from keras_dtype_policy.tf_keras_compat import config_translation
+from keras_dtype_policy.tf_keras_compat import file_limits
 
 KERAS_SUFFIXES = (".keras",)
 H5_SUFFIXES = (".h5", ".hdf5")
@@ -92,6 +93,8 @@ def load_path(path):
     with _captured_messages() as messages:
         try:
             model = keras.saving.load_model(path)
+            if isinstance(model, keras.Model):
+                build_optimizer(model)
         except Exception as error:
             cause = innermost_cause(error)
             raise ModelFileError(
@@ -102,7 +105,6 @@ def load_path(path):
             raise ModelFileError(
                 f"{path}: holds a {type(model).__name__}, not a model"
             )
-        build_optimizer(model)
     return model, messages
 
 
@@ -155,29 +157,62 @@ def build_optimizer(model):
 
 def read_keras_file(path):
     """Reads the configs of a `.keras` file; returns a `ModelFile`."""
-    if not zipfile.is_zipfile(path):
-        raise ModelFileError(f"{path}: not a .keras file (not a zip archive)")
-    with zipfile.ZipFile(path) as archive:
-        names = set(archive.namelist())
-        if "config.json" not in names:
-            raise ModelFileError(
-                f"{path}: not a .keras model file (it holds no config.json)"
-            )
-        config = _parse_json(path, archive.read("config.json"), "config.json")
-        metadata = {}
-        if "metadata.json" in names:
-            metadata = _parse_json(
-                path, archive.read("metadata.json"), "metadata.json"
-            )
-    _check_model_config(path, config)
+    try:
+        with _limits_as_file_errors(), zipfile.ZipFile(path) as archive:
+            config, metadata = _read_archive(path, archive)
+    except zipfile.BadZipFile as error:
+        raise ModelFileError(
+            f"{path}: not a .keras file (a broken zip archive: {error})"
+        ) from None
+    except (OSError, EOFError, RuntimeError, ValueError) as error:
+        if isinstance(error, ModelFileError):
+            raise
+        raise ModelFileError(
+            f"{path}: cannot be read: {type(error).__name__}: "
+            f"{_first_line(error)}"
+        ) from None
+    check_model_config(path, config)
     compile_config = config.get("compile_config")
     return ModelFile(
         path=path,
         format="keras",
         model_config=config,
         compile_config=compile_config if compile_config else None,
-        keras_version=metadata.get("keras_version"),
+        keras_version=version_string(metadata.get("keras_version")),
     )
+
+
+def _read_archive(path, archive):
+    """Returns a `.keras` archive's config and metadata, sizes checked."""
+    members = {info.filename: info for info in archive.infolist()}
+    for info in members.values():
+        file_limits.check_zip_member_size(info.filename, info.file_size)
+    if "config.json" not in members:
+        raise ModelFileError(
+            f"{path}: not a .keras model file (it holds no config.json)"
+        )
+    config = _read_json_member(path, archive, members["config.json"])
+    metadata = {}
+    if "metadata.json" in members:
+        metadata = _read_json_member(path, archive, members["metadata.json"])
+    if not isinstance(metadata, dict):
+        raise ModelFileError(f"{path}: its metadata.json is not an object")
+    if "model.weights.h5" in members:
+        import h5py
+
+        with archive.open("model.weights.h5") as member:
+            with h5py.File(member, "r") as weights:
+                file_limits.check_h5_sizes(weights, f"{path}: model.weights.h5")
+    return config, metadata
+
+
+def _read_json_member(path, archive, info):
+    if info.file_size > file_limits.MAX_CONFIG_BYTES:
+        raise ModelFileError(
+            f"{path}: its {info.filename} expands to {info.file_size} bytes, "
+            f"more than the {file_limits.MAX_CONFIG_BYTES} this package reads"
+        )
+    return _parse_json(path, archive.read(info.filename), info.filename)
 
 
 def read_h5_file(path):
@@ -189,13 +224,24 @@ def read_h5_file(path):
     if signature != _HDF5_SIGNATURE:
         raise ModelFileError(f"{path}: not an HDF5 file")
     try:
-        with h5py.File(path, "r") as f:
-            attributes = dict(f.attrs)
+        with _limits_as_file_errors(), h5py.File(path, "r") as f:
+            file_limits.check_h5_sizes(f, str(path))
+            attributes = {
+                name: f.attrs[name]
+                for name in ("model_config", "training_config", "keras_version")
+                if name in f.attrs
+            }
+            has_weights = "layer_names" in f.attrs
             groups = set(f.keys())
-    except OSError as error:
-        raise ModelFileError(f"{path}: cannot be read: {error}") from None
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as error:
+        if isinstance(error, ModelFileError):
+            raise
+        raise ModelFileError(
+            f"{path}: cannot be read: {type(error).__name__}: "
+            f"{_first_line(error)}"
+        ) from None
     if "model_config" not in attributes:
-        if "layer_names" not in attributes and not {"layers", "vars"} <= groups:
+        if not has_weights and not {"layers", "vars"} <= groups:
             raise ModelFileError(
                 f"{path}: not a Keras file: an HDF5 file with neither a "
                 "model nor Keras weights"
@@ -205,38 +251,75 @@ def read_h5_file(path):
             "model.load_weights() into a model you build"
         )
     config = _parse_json(path, attributes["model_config"], "model_config")
-    _check_model_config(path, config)
+    check_model_config(path, config)
     training_config = attributes.get("training_config")
     if training_config is not None:
         training_config = _parse_json(path, training_config, "training_config")
-    version = attributes.get("keras_version")
-    if isinstance(version, bytes):
-        version = version.decode("utf-8")
+        if not isinstance(training_config, dict):
+            raise ModelFileError(
+                f"{path}: its training_config is not an object"
+            )
     return ModelFile(
         path=path,
         format="h5",
         model_config=config,
         compile_config=training_config,
-        keras_version=version,
+        keras_version=version_string(attributes.get("keras_version")),
     )
+
+
+@contextlib.contextmanager
+def _limits_as_file_errors():
+    """Turns the refusals of `file_limits` into `ModelFileError`s."""
+    try:
+        yield
+    except file_limits.FileLimitError as error:
+        raise ModelFileError(str(error)) from None
+
+
+def version_string(value):
+    """Returns a saved `keras_version` as a string, or None if it is not one.
+
+    A version of another type says nothing: the config tells the writer.
+    """
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    return str(value) if isinstance(value, str) else None
 
 
 def _parse_json(path, text, what):
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        raise ModelFileError(
+            f"{path}: its {what} is not JSON text but a {type(text).__name__}"
+        )
     try:
         return json.loads(text)
     except (TypeError, ValueError) as error:
         raise ModelFileError(
             f"{path}: its {what} is not JSON: {error}"
         ) from None
+    except RecursionError:
+        raise ModelFileError(
+            f"{path}: its {what} is nested more than "
+            f"{file_limits.MAX_CONFIG_DEPTH} levels deep"
+        ) from None
 
 
-def _check_model_config(path, config):
+def check_model_config(path, config):
+    """Refuses a model config with no class to build, or past the limits."""
     if not isinstance(config, dict) or not isinstance(
         config.get("class_name"), str
     ):
         raise ModelFileError(f"{path}: its model config names no class")
+    if not isinstance(config.get("config"), (dict, list)):
+        raise ModelFileError(
+            f"{path}: its model config has no 'config' to build "
+            f"{config['class_name']!r} from"
+        )
+    with _limits_as_file_errors():
+        file_limits.check_model_config(config, str(path))
 
 
 def innermost_cause(error):

@@ -6,8 +6,10 @@ directory that tf.keras 2 wrote with `model.save(dir)` by
 a message meant for the person who named the file.
 """
 
+import os
 import pathlib
 
+from keras_dtype_policy.tf_keras_compat import file_limits
 from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import saved_model_dirs
 from keras_dtype_policy.tf_keras_compat.keras_files import ModelFile
@@ -28,9 +30,20 @@ def read_model_file(path):
         A `ModelFile`.
 
     Raises:
-        ModelFileError: if the file is missing or holds no model.
+        ModelFileError: if the file is missing, not a regular file or a
+            directory (a FIFO, a device), or holds no model.
+        TypeError: if `path` is not a path.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            "`path` must be a path (a str or a path-like). "
+            f"Received: path={path!r} (of type {type(path).__name__})"
+        )
     path = pathlib.Path(path)
+    try:
+        file_limits.check_path_kind(path, "path")
+    except file_limits.FileLimitError as error:
+        raise ModelFileError(f"{path}: {error}") from None
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():

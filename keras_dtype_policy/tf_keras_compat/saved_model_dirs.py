@@ -81,15 +81,14 @@ def read_saved_model_dir(path):
             "with no config to rebuild it from; Keras 3 can only call it, "
             "with keras.layers.TFSMLayer"
         )
-    if not isinstance(model_config.get("class_name"), str):
-        raise ModelFileError(f"{path}: its model config names no class")
+    keras_files.check_model_config(path, model_config)
     training_config = root.get("training_config")
     return ModelFile(
         path=path,
         format="savedmodel",
         model_config=model_config,
         compile_config=training_config or None,
-        keras_version=root.get("keras_version"),
+        keras_version=keras_files.version_string(root.get("keras_version")),
     )
 
 
