@@ -156,9 +156,11 @@ def test_needs_a_distribution_and_an_optimizer():
         kdp.shard_optimizer_state("adam")
 
 
+@jax_only
 def test_keras_still_passes_a_layout_to_add_variable():
     # The switch replaces `add_variable` and reads the `layout` Keras'
-    # `add_variable_from_reference` passes it; fail loudly if that moves.
+    # `add_variable_from_reference` passes it (JAX's optimizer inherits
+    # both from Keras' base class); fail loudly if that moves.
     parameters = inspect.signature(
         keras.optimizers.Optimizer.add_variable
     ).parameters
