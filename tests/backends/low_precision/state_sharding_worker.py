@@ -7,8 +7,10 @@ own. For each CASE of Adam, `LossScaleOptimizer(Adam)`, `"kahan_bfloat16"`
 and `"kahan_bfloat16_8bit"` it trains the same batches under
 `DataParallel` with and without `shard_optimizer_state`; for two it saves
 the sharded run, loads it on one device and on two (sharded again) and
-continues. The CASEs `model_parallel` and `uninstall` check a
-`ModelParallel` layout and `uninstall()`. Prints one JSON line of findings.
+continues. The CASEs `model_parallel`, `uninstall` and
+`wrapped_by_compile` check a `ModelParallel` layout, `uninstall()` and a
+wrapper that `compile` puts around a sharded optimizer. Prints one JSON
+line of findings.
 """
 
 import json
@@ -208,6 +210,19 @@ def uninstalled():
     }
 
 
+def wrapped_by_compile():
+    """A sharded Adam that `compile` wraps: the wrapper's state splits too."""
+    keras.utils.clear_session()
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = build(
+        "kahan_bfloat16_8bit",
+        lambda: kdp.shard_optimizer_state(keras.optimizers.Adam()),
+    )
+    model.optimizer.build(model.trainable_variables)
+    keras.distribution.set_distribution(None)
+    return {"specs": specs(model.optimizer)}
+
+
 out = pathlib.Path(sys.argv[1])
 findings = {}
 for case in sys.argv[2:]:
@@ -215,6 +230,8 @@ for case in sys.argv[2:]:
         findings[case] = model_parallel()
     elif case == "uninstall":
         findings[case] = uninstalled()
+    elif case == "wrapped_by_compile":
+        findings[case] = wrapped_by_compile()
     else:
         findings[case] = sharded_against_unsharded(case, out)
 findings["devices"] = len(keras.distribution.list_devices())

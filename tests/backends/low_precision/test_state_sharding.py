@@ -25,7 +25,13 @@ from keras_dtype_policy.low_precision import state_sharding
 WORKER = pathlib.Path(__file__).with_name("state_sharding_worker.py")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEVICES = 8
-FAST_CASES = ("adam", "kahan_bfloat16_8bit", "model_parallel", "uninstall")
+FAST_CASES = (
+    "adam",
+    "kahan_bfloat16_8bit",
+    "model_parallel",
+    "uninstall",
+    "wrapped_by_compile",
+)
 SLOW_CASES = ("lso_adam", "kahan_bfloat16")
 # The state a device holds, over the whole: 1/8 plus the replicated
 # scalars (iterations, learning rate, loss-scale counters, the seed),
