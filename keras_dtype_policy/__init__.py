@@ -25,6 +25,9 @@ if _backend_error is None:
     from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
     from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
     from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
+    from keras_dtype_policy.low_precision.state_sharding import (
+        shard_optimizer_state,
+    )
     from keras_dtype_policy.patches import install
     from keras_dtype_policy.patches import is_installed
     from keras_dtype_policy.patches import uninstall
@@ -90,5 +93,6 @@ __all__ = [
     "precision_scope",
     "set_dtype_policy",
     "set_global_policy",
+    "shard_optimizer_state",
     "uninstall",
 ]

@@ -29,6 +29,7 @@ from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
 from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.low_precision import float32_views
+from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.policies import keras_lookups
@@ -224,6 +225,14 @@ INSTANCE_PATCHES = (
         "rounded and quantized slots, make its quantized slots, and leave "
         "its saved values to the wrapper; the wrapper sets them again at its "
         "next step.",
+    ),
+    InstancePatch(
+        "optimizer instances given to shard_optimizer_state, with their "
+        "inner optimizers (not a loss-scale optimizer's own)",
+        state_sharding.SHARDING_METHODS,
+        state_sharding.unshard_all,
+        "Lay the optimizer state made later out split along the "
+        "data-parallel axis (ZeRO stage 1), never whole on any device.",
     ),
 )
 

@@ -10,6 +10,7 @@ from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import inner_step
 from keras_dtype_policy.low_precision import quantized_slots
+from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.low_precision import tensorflow_step
 from keras_dtype_policy.low_precision import torch_step
 from keras_dtype_policy.low_precision.float32_views import Float32View
@@ -115,6 +116,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
+        # Wrapped by `compile` around a sharded optimizer: shard ours too.
+        state_sharding.follow_inner(self)
         var_list = list(var_list)
         super().build(var_list)
         targets = self._targets

@@ -73,7 +73,12 @@ def test_all_lists_keras_3_names_and_the_packages_own():
     for name in ("Policy", "set_policy", "get_layer_policy"):
         assert name not in kdp.__all__
         assert hasattr(kdp, name)
-    for name in ("dtype_policy", "set_dtype_policy", "global_policy"):
+    for name in (
+        "dtype_policy",
+        "set_dtype_policy",
+        "global_policy",
+        "shard_optimizer_state",
+    ):
         assert name in kdp.__all__
     assert all(hasattr(kdp, name) for name in kdp.__all__)
     assert len(set(kdp.__all__)) == len(kdp.__all__)

@@ -1,0 +1,224 @@
+"""Optimizer state split across the data-parallel devices (ZeRO stage 1).
+
+Under `keras.distribution` (JAX), Keras lays each optimizer slot out as
+its weight: replicated under `DataParallel`, so every device holds all of
+the state. `shard_optimizer_state` gives each state variable of an
+optimizer a layout split along the distribution's data axis instead; the
+weights keep theirs. XLA's partitioner then runs the update on each
+device's shard and gathers the new weights (docs/distributed-training.md
+lists the collectives measured). It sets `add_variable` on the optimizer
+instances (listed in `patches.INSTANCE_PATCHES`), so state made later is
+created split and never whole.
+
+Which dimension is split: the first, if its size is divisible by the data
+axis' device count and no mesh axis splits it yet; else the largest such
+dimension; else none (the variable stays as its weight's layout says, e.g.
+replicated). A variable already split along the data axis is kept.
+"""
+
+import types
+import weakref
+
+import keras
+
+# The method `shard_optimizer_state` sets on optimizer instances.
+SHARDING_METHODS = ("add_variable",)
+_sharding = weakref.WeakSet()
+
+_ELSEWHERE = {
+    "tensorflow": "TensorFlow's tf.distribute strategies keep one copy of "
+    "the optimizer state per replica (MirroredStrategy) or place it on "
+    "parameter servers (ParameterServerStrategy)",
+    "torch": "Keras' torch backend has no distribution API; in a "
+    "torch.distributed loop, shard the state with torch's own tools "
+    "(FSDP, or ZeroRedundancyOptimizer for a torch optimizer)",
+}
+
+
+def shard_optimizer_state(optimizer):
+    """Splits an optimizer's state across the data-parallel devices.
+
+    ZeRO stage 1 on `keras.distribution` (JAX): each state variable (the
+    slots of the inner Keras optimizer, a `LowPrecisionOptimizer`'s
+    compensation buffers and 8-bit codes and scales) is laid out split
+    along the distribution's data axis, on top of its weight's own layout.
+    Scalars, loss-scale counters and seeds stay replicated. State already
+    built is moved to the new layout now; call it before `fit` makes its
+    train step (e.g. right after `compile` or `load_model`).
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, wrappers included.
+
+    Returns:
+        The optimizer, for `model.compile(shard_optimizer_state(...))`.
+
+    Raises:
+        NotImplementedError: On TensorFlow and torch, naming what they have.
+        ValueError: If no `keras.distribution` is set.
+        TypeError: If `optimizer` is not a Keras optimizer.
+
+    Example:
+
+    >>> keras.distribution.set_distribution(
+    ...     keras.distribution.DataParallel()
+    ... )
+    >>> model.compile(keras.optimizers.Adam(), "mse")
+    >>> keras_dtype_policy.shard_optimizer_state(model.optimizer)
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "shard_optimizer_state expects a keras.optimizers.Optimizer. "
+            f"Received: optimizer={optimizer!r} (of type "
+            f"{type(optimizer).__name__})"
+        )
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise NotImplementedError(
+            "shard_optimizer_state works on the JAX backend's "
+            f"keras.distribution only. {_ELSEWHERE.get(backend, '')} "
+            f"Received: optimizer={optimizer.name!r} on backend={backend!r}"
+        )
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        raise ValueError(
+            "shard_optimizer_state needs a keras.distribution: call "
+            "keras.distribution.set_distribution(DataParallel() or "
+            f"ModelParallel(...)) first. Received: optimizer={optimizer.name!r}"
+            " with distribution=None"
+        )
+    _shard(optimizer, distribution)
+    return optimizer
+
+
+def shards_state(optimizer):
+    """True if `shard_optimizer_state` was applied to `optimizer`."""
+    return optimizer in _sharding
+
+
+def follow_inner(wrapper):
+    """Shards a wrapper's own state where its inner optimizer's is sharded
+    (e.g. a wrapper that `compile` put around a sharded optimizer)."""
+    inner = getattr(wrapper, "inner_optimizer", None)
+    distribution = keras.distribution.distribution()
+    if inner is not None and shards_state(inner) and distribution is not None:
+        _shard(wrapper, distribution)
+
+
+def sharded_layout(shape, layout, distribution):
+    """Returns `layout` split along `distribution`'s data axis.
+
+    Args:
+        shape: The variable's shape.
+        layout: Its `keras.distribution.TensorLayout`, or None (replicated).
+        distribution: The `keras.distribution.Distribution`.
+
+    Returns:
+        A `TensorLayout`, or `layout` itself where no dimension can split.
+    """
+    if layout is not None and not isinstance(
+        layout, keras.distribution.TensorLayout
+    ):
+        return layout  # a backend layout the caller chose: kept
+    mesh = distribution.device_mesh
+    if layout is not None and layout.device_mesh is not None:
+        mesh = layout.device_mesh
+    axis = distribution.batch_dim_name
+    if axis not in mesh.axis_names:
+        return layout
+    axes = list(layout.axes) if layout is not None else [None] * len(shape)
+    if len(axes) != len(shape) or axis in _used_axes(axes):
+        return layout
+    devices = mesh.shape[list(mesh.axis_names).index(axis)]
+    free = [
+        d
+        for d, size in enumerate(shape)
+        if axes[d] is None and size >= devices and size % devices == 0
+    ]
+    if devices == 1 or not free:
+        return layout
+    dimension = 0 if 0 in free else max(free, key=lambda d: shape[d])
+    axes[dimension] = axis
+    return keras.distribution.TensorLayout(axes, mesh)
+
+
+def unshard_all():
+    """Takes `add_variable` off every optimizer that holds it.
+
+    Called by `keras_dtype_policy.uninstall()`: state made afterwards gets
+    Keras' layout; state already made keeps its own.
+    """
+    for optimizer in list(_sharding):
+        for name in SHARDING_METHODS:
+            vars(optimizer).pop(name, None)
+    _sharding.clear()
+
+
+def _shard(optimizer, distribution):
+    for member in _chain(optimizer):
+        # A loss-scale optimizer's own variables are its scale and
+        # counters: they stay replicated.
+        if isinstance(member, keras.optimizers.LossScaleOptimizer):
+            continue
+        if member not in _sharding:
+            member.add_variable = types.MethodType(_add_variable, member)
+            _sharding.add(member)
+        if member.built:
+            for variable in _state_of(member):
+                layout = sharded_layout(
+                    variable.shape, variable._layout, distribution
+                )
+                if layout is not variable._layout:
+                    value = variable.value
+                    variable._layout = layout
+                    variable.assign(value)
+
+
+def _add_variable(
+    self,
+    shape,
+    initializer="zeros",
+    dtype=None,
+    aggregation="none",
+    layout=None,
+    name=None,
+):
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        layout = sharded_layout(shape, layout, distribution)
+    return type(self).add_variable(
+        self,
+        shape,
+        initializer=initializer,
+        dtype=dtype,
+        aggregation=aggregation,
+        layout=layout,
+        name=name,
+    )
+
+
+def _chain(optimizer):
+    """The optimizer and the inner optimizers it wraps."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def _state_of(optimizer):
+    """The optimizer's own variables that can split: all but scalars and
+    its random seed."""
+    seed = getattr(getattr(optimizer, "seed_generator", None), "state", None)
+    return [
+        v
+        for v in optimizer._variables
+        if len(v.shape) and v is not seed and getattr(v, "_layout", None)
+    ]
+
+
+def _used_axes(axes):
+    used = set()
+    for entry in axes:
+        if isinstance(entry, (tuple, list)):
+            used.update(entry)
+        elif entry is not None:
+            used.add(entry)
+    return used
