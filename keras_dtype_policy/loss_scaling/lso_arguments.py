@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_dtype_policy.loss_scaling import optimizer_values
+from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
 

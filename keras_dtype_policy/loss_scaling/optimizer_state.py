@@ -20,7 +20,7 @@ import keras
 import numpy as np
 from keras.src.saving.keras_saveable import KerasSaveable
 
-from keras_dtype_policy.loss_scaling import optimizer_values
+from keras_dtype_policy.low_precision import optimizer_values
 
 
 def assign_optimizer_values(optimizer, values, strict=False):

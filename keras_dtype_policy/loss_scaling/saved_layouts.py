@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_dtype_policy.loss_scaling import optimizer_state
-from keras_dtype_policy.loss_scaling import optimizer_values
+from keras_dtype_policy.low_precision import optimizer_values
 
 # The store of each saved record, below the optimizer's own store, and the
 # variable it holds. These names are part of the file format.

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_dtype_policy.loss_scaling import optimizer_values
+from keras_dtype_policy.low_precision import optimizer_values
 
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
 STATE_DTYPES = (None, "float32", "bfloat16", "float16", "8bit", "4bit")

@@ -5,10 +5,10 @@ import copy
 import keras
 from keras import ops
 
-from keras_dtype_policy.loss_scaling import optimizer_values
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import inner_step
+from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.low_precision import quantized_slots
 from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.low_precision import tensorflow_step
