@@ -23,7 +23,7 @@ def describe(error):
         error: An exception that a file or the work on it raised.
     """
     if isinstance(error, zipfile.BadZipFile):
-        return f"a damaged zip archive: {error}"
+        return f"a broken zip archive: {error}"
     if isinstance(error, MemoryError):
         return "does not fit in memory"
     if isinstance(error, RecursionError):

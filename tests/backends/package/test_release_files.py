@@ -31,9 +31,11 @@ def test_release_0_1_0_model_loads_with_its_state(file_name):
     first, second, head = model.layers[1:]
     assert type(first.dtype_policy) is kdp.DTypePolicy
     assert first.dtype_policy.name == "mixed_float16"
-    # As in tf.keras, a saved experimental Policy comes back as the
-    # non-experimental policy of the same name, without its loss scale.
-    assert type(second.dtype_policy) is kdp.DTypePolicy
+    # As in tf.keras 2.4+, a saved experimental Policy comes back as the
+    # non-experimental `mixed_precision.Policy` of the same name, without
+    # its loss scale (0.1.0 gave a plain DTypePolicy; both equal it).
+    assert type(second.dtype_policy) is kdp.mixed_precision.Policy
+    assert second.dtype_policy == kdp.DTypePolicy("mixed_float16")
     assert second.dtype_policy.name == "mixed_float16"
     assert head.dtype_policy.name == "float32"
 

@@ -387,7 +387,7 @@ def test_demo_without_scikit_learn_names_the_extra(tmp_path):
     "args, status, fragment",
     [
         (("inspect", "missing.keras"), 1, "missing.keras: no such file"),
-        (("inspect", "notes.keras"), 1, "not a zip archive"),
+        (("inspect", "notes.keras"), 1, "broken zip archive"),
         (
             ("inspect", FIXTURES / "dense_mixed_float16.weights.h5"),
             1,

@@ -344,7 +344,7 @@ def test_a_damaged_zip_is_one_line(tmp_path):
     path.write_bytes(bytes(data))
     for argv in (("inspect", path), ("migrate", path, tmp_path / "n.keras")):
         _, _, stderr = run(*argv)
-        assert "damaged zip archive" in stderr
+        assert "broken zip archive" in stderr
     assert listing(tmp_path) == ["crc.keras"]
 
 
