@@ -90,6 +90,13 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         return self._seed
 
     @property
+    def quantized_slots(self):
+        """The slots stored as 8-bit or 4-bit codes (`QuantizedSlot`s), in
+        the order they were made; empty before `build` or without
+        quantized state."""
+        return list(self._targets.quantized_slots.values())
+
+    @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
 

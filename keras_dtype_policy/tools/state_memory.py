@@ -85,7 +85,7 @@ def low_precision_state(optimizer, parameters):
         wrapper = getattr(wrapper, "inner_optimizer", None)
     if wrapper is None:
         return None
-    quantized = list(wrapper._targets.quantized_slots.values())
+    quantized = wrapper.quantized_slots
     state_bytes = None
     if wrapper.built and parameters:
         state_bytes = variable_bytes(optimizer) / parameters

@@ -230,9 +230,8 @@ def _quantized_slots(optimizer):
     """The quantized slots of a `LowPrecisionOptimizer`, also inside a
     loss-scale optimizer; none for any other optimizer."""
     while optimizer is not None:
-        targets = getattr(optimizer, "_targets", None)
-        if targets is not None:
-            return list(targets.quantized_slots.values())
+        if isinstance(optimizer, kdp.LowPrecisionOptimizer):
+            return optimizer.quantized_slots
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return []
 

@@ -163,7 +163,7 @@ def train_quantized(name, fused, monkeypatch, state_dtype, update, steps=4):
             ]
             optimizer.apply(grads, weights)
             assert torch_step.can_batch(optimizer) == fused
-    slots = optimizer._targets.quantized_slots.values()
+    slots = optimizer.quantized_slots
     codes = [(to_numpy(s.codes), to_numpy(s.scales)) for s in slots]
     return [as_float32(w) for w in weights], codes
 
@@ -248,7 +248,7 @@ def test_torch_batches_a_weight_larger_than_a_group(monkeypatch):
             grad = rng.normal(size=weight.shape).astype("float32")
             for _ in range(2):
                 optimizer.apply([keras.ops.cast(grad, "bfloat16")], [weight])
-        slots = optimizer._targets.quantized_slots.values()
+        slots = optimizer.quantized_slots
         results.append([to_numpy(s.codes) for s in slots])
     for codes, codes_ in zip(*results, strict=True):
         assert np.mean(codes != codes_) <= 1e-4

@@ -112,8 +112,13 @@ def test_small_and_non_float_weights_keep_float32_state():
     optimizer = LowPrecisionOptimizer(
         keras.optimizers.Adam(1e-3), state_dtype="8bit"
     )
+    assert optimizer.quantized_slots == []
     optimizer.build([big, small, low, count])
     assert quantized_slots.MIN_QUANTIZED_SIZE == 64 * 64
+    # Adam's momentum (signed) and velocity (unsigned) of `big` and `low`.
+    slots = optimizer.quantized_slots
+    assert [s.shape for s in slots] == [(64, 64)] * 4
+    assert sorted(s.code.signed for s in slots) == [False, False, True, True]
     codes = [v for v in optimizer.variables if v.path.endswith("_codes")]
     # Adam's two moments of `big` and of `low`: 16 blocks of 256 each.
     assert len(codes) == 4
@@ -139,6 +144,7 @@ def test_small_and_non_float_weights_keep_float32_state():
     )
     plain.build([big, small])
     assert not [v for v in plain.variables if "codes" in v.path]
+    assert plain.quantized_slots == []
     assert plain.compensation_of(big) is None
 
 
