@@ -44,10 +44,11 @@ def check_inner_learning_rate(inner_optimizer):
         ValueError: for a learning rate that is not finite or is negative.
     """
     value = getattr(inner_optimizer, "_learning_rate", None)
-    if isinstance(value, keras.Variable) and len(value.shape) == 0:
-        # float() of the scalar tensor, not NumPy's __array__ (which warns
-        # on TensorFlow's tensors under NumPy 2).
-        value = float(keras.ops.convert_to_tensor(value))
+    if isinstance(value, keras.Variable):
+        with warnings.catch_warnings():
+            # NumPy 2 warns about the __array__ of TensorFlow's tensors.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            value = keras.ops.convert_to_numpy(value)
     if isinstance(value, np.ndarray) and value.shape == ():
         value = value.item()
     if isinstance(value, numbers.Real) and not _valid_rate(float(value)):

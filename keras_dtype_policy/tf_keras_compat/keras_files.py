@@ -165,12 +165,7 @@ def read_keras_file(path):
             f"{path}: not a .keras file (a broken zip archive: {error})"
         ) from None
     except (OSError, EOFError, RuntimeError, ValueError) as error:
-        if isinstance(error, ModelFileError):
-            raise
-        raise ModelFileError(
-            f"{path}: cannot be read: {type(error).__name__}: "
-            f"{_first_line(error)}"
-        ) from None
+        raise _unreadable(path, error) from None
     check_model_config(path, config)
     compile_config = config.get("compile_config")
     return ModelFile(
@@ -234,12 +229,7 @@ def read_h5_file(path):
             has_weights = "layer_names" in f.attrs
             groups = set(f.keys())
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as error:
-        if isinstance(error, ModelFileError):
-            raise
-        raise ModelFileError(
-            f"{path}: cannot be read: {type(error).__name__}: "
-            f"{_first_line(error)}"
-        ) from None
+        raise _unreadable(path, error) from None
     if "model_config" not in attributes:
         if not has_weights and not {"layers", "vars"} <= groups:
             raise ModelFileError(
@@ -335,6 +325,16 @@ def innermost_cause(error):
             return error
         seen.add(id(cause))
         error = cause
+
+
+def _unreadable(path, error):
+    """The `ModelFileError` for `error`, raised reading `path` (`error`
+    itself when it already is one)."""
+    if isinstance(error, ModelFileError):
+        return error
+    return ModelFileError(
+        f"{path}: cannot be read: {type(error).__name__}: {_first_line(error)}"
+    )
 
 
 def _first_line(message):

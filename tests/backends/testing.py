@@ -257,3 +257,22 @@ def assert_fixture_predictions(model, states, name, policy, ulps=8):
         rtol=tolerance,
         atol=tolerance,
     )
+
+
+def run_json_worker(worker, *args, backend=BACKEND, timeout=300):
+    """Runs `python worker *args` in a process of its own (the repository
+    importable, `KERAS_BACKEND=backend`) and returns the JSON object of the
+    last stdout line that starts with `{`; fails the test, showing the end
+    of stderr, if the worker exits with an error."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, str(worker), *(str(a) for a in args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
+    return json.loads(line)

@@ -6,15 +6,12 @@ JAX: `keras.distribution.DataParallel` over two host devices; TensorFlow:
 device count must be set before the backend starts.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import run_json_worker
 
 pytestmark = pytest.mark.skipif(
     BACKEND not in ("jax", "tensorflow"),
@@ -38,18 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
     ],
 )
 def test_two_devices_train_as_one(policy):
-    env = dict(os.environ, KERAS_BACKEND=BACKEND)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, str(WORKER), policy],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
-    runs = json.loads(line)
+    runs = run_json_worker(WORKER, policy)
     single, distributed = runs["single"], runs["distributed"]
     assert single["optimizer"] == distributed["optimizer"]
     assert distributed["optimizer"] == "LowPrecisionOptimizer"

@@ -6,11 +6,7 @@ of 64 x 64 = 4096 elements (`MIN_QUANTIZED_SIZE`) or more get quantized
 state; smaller ones keep float32 state.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 import warnings
 
 import h5py
@@ -18,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import run_json_worker
 from testing import to_numpy
 
 import keras_dtype_policy
@@ -477,18 +474,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
     "multi-device training is not covered here",
 )
 def test_two_devices_train_as_one_and_save_the_state(tmp_path):
-    env = dict(os.environ, KERAS_BACKEND=BACKEND)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
-    runs = json.loads(line)
+    runs = run_json_worker(WORKER, tmp_path)
     single, distributed = runs["single"], runs["distributed"]
     np.testing.assert_allclose(
         distributed["losses"], single["losses"], rtol=0.01

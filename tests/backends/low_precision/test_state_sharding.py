@@ -8,15 +8,12 @@ torch the switch raises `NotImplementedError` naming what they have.
 """
 
 import inspect
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import keras
 import pytest
 from testing import BACKEND
+from testing import run_json_worker
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import patches
@@ -50,18 +47,7 @@ jax_only = pytest.mark.skipif(
 
 
 def run_worker(tmp_path, cases):
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), *cases],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
-    return json.loads(line)
+    return run_json_worker(WORKER, tmp_path, *cases, backend="jax")
 
 
 @pytest.fixture(scope="module")
