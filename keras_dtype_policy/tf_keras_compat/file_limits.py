@@ -214,9 +214,12 @@ def _check_attribute_shapes(item, source):
         )
 
 
-class MalformedFileError(ValueError, KeyError, AttributeError, IndexError):
+class MalformedFileError(
+    ValueError, KeyError, AttributeError, IndexError, RuntimeError
+):
     """A file whose contents Keras' loader stumbled on (a missing group, a
-    name of the wrong type): a `ValueError`, and still the error it was."""
+    name of the wrong type, HDF5 structures h5py cannot follow): a
+    `ValueError`, and still the error it was."""
 
     def __str__(self):
         return str(self.args[0]) if self.args else ""
@@ -224,16 +227,22 @@ class MalformedFileError(ValueError, KeyError, AttributeError, IndexError):
 
 @contextlib.contextmanager
 def malformed_as_value_errors(source):
-    """Raises Keras' KeyError/AttributeError/IndexError on a malformed file
-    as a `MalformedFileError` naming the file.
+    """Raises Keras' KeyError/AttributeError/IndexError (and h5py's
+    RuntimeError) on a malformed file as a `MalformedFileError` naming the
+    file.
 
     Args:
         source: The file, for the message.
     """
     try:
         yield
-    except (KeyError, AttributeError, IndexError) as error:
-        if isinstance(error, MalformedFileError):
+    except (KeyError, AttributeError, IndexError, RuntimeError) as error:
+        # h5py raises plain RuntimeErrors on damaged structures; other
+        # kinds of RuntimeError (RecursionError, NotImplementedError) are
+        # not about the file's contents.
+        if isinstance(error, MalformedFileError) or (
+            isinstance(error, RuntimeError) and type(error) is not RuntimeError
+        ):
             raise
         raise MalformedFileError(
             f"{os.fspath(source)}: cannot be loaded, the file is malformed: "

@@ -348,3 +348,20 @@ def test_malformed_h5_files_give_value_errors(valid_files):
 def test_model_from_json_refuses_with_the_field_named(text, match):
     with pytest.raises(ValueError, match=match):
         kdp.model_from_json(text)
+
+
+def test_h5py_runtime_errors_name_the_file_and_keep_their_kind():
+    # h5py raises a plain RuntimeError on a damaged HDF5 structure (found by
+    # a fuzz run on torch through keras.saving.load_model): it becomes a
+    # MalformedFileError, a ValueError that is still a RuntimeError.
+    message = "Unable to synchronously check link existence"
+    with pytest.raises(file_limits.MalformedFileError) as caught:
+        with file_limits.malformed_as_value_errors("model.h5"):
+            raise RuntimeError(message)
+    assert isinstance(caught.value, (ValueError, RuntimeError))
+    assert str(caught.value).startswith("model.h5: ")
+    assert message in str(caught.value)
+    # Other RuntimeErrors are not about the file: they pass unchanged.
+    with pytest.raises(RecursionError):
+        with file_limits.malformed_as_value_errors("model.h5"):
+            raise RecursionError("deep")
