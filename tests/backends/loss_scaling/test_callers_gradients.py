@@ -9,10 +9,10 @@ them in place).
 import keras
 import numpy as np
 import pytest
+from testing import BACKEND
+from testing import to_numpy
 
 import keras_dtype_policy as kdp
-from tests.backends.testing import BACKEND
-from tests.backends.testing import to_numpy
 
 SCALE = 32768.0
 
