@@ -27,8 +27,8 @@ import numpy as np
 from keras import ops
 
 # lowbias32's multipliers, as signed int32 values.
-_MULTIPLY_1 = 0x7FEB352D
-_MULTIPLY_2 = 0x846CA68B - 2**32
+MULTIPLY_1 = 0x7FEB352D
+MULTIPLY_2 = 0x846CA68B - 2**32
 # Mixed into the seed so that seed 0 does not give key 0.
 _SEED_SALT = 0x3C6EF372
 _INT32_MASK = 0x7FFFFFFF
@@ -43,9 +43,9 @@ def mix(x):
     """Hashes int32 `x` elementwise (`lowbias32`, without its last
     xor-shift, which leaves the high bits `noise_bits` keeps unchanged)."""
     x = ops.bitwise_xor(x, logical_right_shift(x, 16))
-    x = ops.multiply(x, _MULTIPLY_1)
+    x = ops.multiply(x, MULTIPLY_1)
     x = ops.bitwise_xor(x, logical_right_shift(x, 15))
-    return ops.multiply(x, _MULTIPLY_2)
+    return ops.multiply(x, MULTIPLY_2)
 
 
 def key_of(seed_state):
@@ -202,6 +202,6 @@ def python_key(seed_value, counter):
 def _python_mix(x):
     x &= 0xFFFFFFFF
     x ^= x >> 16
-    x = (x * _MULTIPLY_1) & 0xFFFFFFFF
+    x = (x * MULTIPLY_1) & 0xFFFFFFFF
     x ^= x >> 15
-    return (x * (_MULTIPLY_2 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    return (x * (MULTIPLY_2 & 0xFFFFFFFF)) & 0xFFFFFFFF

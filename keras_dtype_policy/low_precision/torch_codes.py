@@ -2,13 +2,15 @@
 
 The batched torch step (`torch_step`) reads a piece of a quantized slot
 into float32 working space, lets the update run there, and writes it back
-as codes. This module does both ends with in-place torch operations into
-space the caller owns, one kernel an operation and no allocation of the
-piece's size, computing exactly what `block_codes` computes: the same
-float32 operations in the same order, so rounding to nearest gives the
-same codes and scales bit for bit, and stochastic rounding the same
-distribution (its bits come from a `random_bits.TorchNoise`). A piece
-with an infinity or a NaN goes through `block_codes.quantize` itself.
+as codes. Where `torch.compile` works, `torch_kernels` does both ends as
+one compiled kernel each. Otherwise this module does them with in-place
+torch operations into space the caller owns, one kernel an operation and
+no allocation of the piece's size. Both compute exactly what
+`block_codes` computes: the same float32 operations in the same order, so
+rounding to nearest gives the same codes and scales bit for bit, and
+stochastic rounding the same distribution (here its bits come from a
+`random_bits.TorchNoise`). A piece with an infinity or a NaN goes through
+`block_codes.quantize` itself.
 
 torch is imported inside functions, only once Keras runs on it.
 """
@@ -16,6 +18,7 @@ torch is imported inside functions, only once Keras runs on it.
 import numpy as np
 
 from keras_dtype_policy.low_precision import block_codes
+from keras_dtype_policy.low_precision import torch_kernels
 
 # How many float32 scratch tensors of a piece's size `quantize` needs.
 SCRATCH_TENSORS = 4
@@ -33,6 +36,8 @@ def dequantize(out, codes, scales, code, scratch):
     """
     import torch
 
+    if torch_kernels.dequantize(out, codes, scales, code):
+        return
     if code.bits == 4:
         _unpack(out, codes, code)
     else:
@@ -70,6 +75,8 @@ def quantize(values, codes, scales, code, scratch, noise=None):
     """
     import torch
 
+    if torch_kernels.quantize(values, codes, scales, code, noise):
+        return
     size = values.numel()
     relative, index, level, high = (s[:size] for s in scratch)
     # The largest magnitude of each block (of each positive value for an
