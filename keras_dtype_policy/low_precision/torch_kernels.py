@@ -250,17 +250,19 @@ def _quantize(
     import torch
 
     levels = _levels(bits, signed)
-    values = values[at : at + size]
+    # Blocks as rows throughout: each row's largest magnitude and its codes
+    # come from one loop over the row, which stays in cache.
+    values = values[at : at + size].view(-1, block)
     if signed:
         relative = torch.abs(values)
     else:
         relative = torch.clamp(values, min=0.0)
-    largest = torch.amax(relative.view(-1, block), 1)
+    largest = torch.amax(relative, 1, keepdim=True)
     if not signed:
         largest = largest + 0.0
     grid = float(levels ** (2 if signed else 4))
     inverse = grid / torch.where(largest > 0.0, largest, 1.0)
-    position = (relative.view(-1, block) * inverse[:, None]).view(-1)
+    position = relative * inverse
     index = torch.sqrt(position)
     if signed:
         index = torch.clamp(torch.floor(index), max=levels - 1.0)
@@ -275,22 +277,26 @@ def _quantize(
     if key is None:
         threshold = gap * 0.5
     else:
-        threshold = gap * _hashed_uniform(size, key, values.device)
+        uniform = _hashed_uniform(size, key, values.device)
+        threshold = gap * uniform.view(-1, block)
     index = index + ((position - level) >= threshold).to(torch.float32)
     if signed:
         index = torch.copysign(index, values)
     if bits == 4:
         if signed:
             index = index + float(levels)
-        pairs = index.view(-1, 2)
-        packed = pairs[:, 1] * 16.0 + pairs[:, 0]
+        pairs = index.view(-1, block // 2, 2)
+        packed = pairs[:, :, 1] * 16.0 + pairs[:, :, 0]
         coded = packed - 128.0
     elif signed:
         coded = index
     else:
         coded = index - 128.0
-    codes[codes_at : codes_at + codes_size].copy_(coded.to(torch.int8))
-    scales[scales_at : scales_at + blocks].copy_(largest)
+    written = codes[codes_at : codes_at + codes_size].view(
+        -1, block * bits // 8
+    )
+    written.copy_(coded.to(torch.int8))
+    scales[scales_at : scales_at + blocks].copy_(largest.view(-1))
 
 
 def _fourth_power(base):

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(
 
 def c_compiler():
     """The C++ compiler inductor would use, or None."""
-    names = [os.environ.get("CXX"), "g++", "clang++", "c++"]
-    return next((n for n in names if n and shutil.which(n)), None)
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    names = ["g++", "clang++", "c++"]
+    return next((n for n in names if shutil.which(n)), None)
 
 
 @pytest.fixture(params=["compiled", "eager"])
