@@ -20,6 +20,7 @@ torch is imported inside functions, only once Keras runs on it.
 """
 
 import os
+import shutil
 import types
 import warnings
 
@@ -35,6 +36,14 @@ _failed = []
 def enabled():
     """True while the compiled kernels are in use in this process."""
     return not _failed and os.environ.get(SWITCH, "1").strip() != "0"
+
+
+def c_compiler():
+    """The C++ compiler inductor builds CPU kernels with, or None."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    names = ("g++", "clang++", "c++")
+    return next((name for name in names if shutil.which(name)), None)
 
 
 def dequantize(out, codes, scales, code):

@@ -4,6 +4,7 @@ import importlib.metadata
 
 import keras
 
+from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import advice
@@ -165,6 +166,8 @@ def _notes(backend, computing):
             "torch's float16 matmul on a CPU is pathologically slow; Keras' "
             "torch backend computes it in float32 instead"
         )
+    if on_cpu and backend == "torch":
+        notes.append(_quantized_state_note())
     if on_cpu:
         notes.append(
             "mixed_float16 trains correctly on a CPU, with loss scaling, "
@@ -172,3 +175,24 @@ def _notes(backend, computing):
             "slower: use it there only to try out a GPU setup"
         )
     return notes
+
+
+def _quantized_state_note():
+    """Whether torch can compile the kernels of 8-bit and 4-bit state."""
+    compiler = torch_kernels.c_compiler()
+    if not torch_kernels.enabled():
+        return (
+            f"8-bit and 4-bit optimizer state run eager torch operations "
+            f"({torch_kernels.SWITCH}=0 or a failed compile): about twice "
+            "as slow as the compiled kernels"
+        )
+    if compiler is None:
+        return (
+            "no C++ compiler found, so torch.compile cannot build the "
+            "kernels of 8-bit and 4-bit optimizer state: they would run as "
+            "eager torch operations, about twice as slow (install g++)"
+        )
+    return (
+        f"8-bit and 4-bit optimizer state use kernels torch.compile builds "
+        f"with {compiler} on first use (a few seconds, cached on disk)"
+    )

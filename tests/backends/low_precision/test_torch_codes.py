@@ -8,8 +8,6 @@ rounding both must be unbiased, and the compiled kernel must be the eager
 operations bit for bit when given the same random bits.
 """
 
-import os
-import shutil
 import warnings
 
 import keras
@@ -23,11 +21,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def c_compiler():
-    """The C++ compiler inductor would use, or None."""
-    if os.environ.get("CXX"):
-        return shutil.which(os.environ["CXX"])
-    names = ["g++", "clang++", "c++"]
-    return next((n for n in names if shutil.which(n)), None)
+    from keras_dtype_policy.low_precision import torch_kernels
+
+    return torch_kernels.c_compiler()
 
 
 @pytest.fixture(params=["compiled", "eager"])

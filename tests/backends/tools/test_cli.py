@@ -145,6 +145,34 @@ def test_doctor_json_matches_the_rules():
         assert report["devices"][0]["float16"]["speed"] == "slow"
 
 
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, "kernels torch.compile builds with"),
+        ({"CXX": "no-such-compiler"}, "no C++ compiler found"),
+        ({"KDP_TORCH_COMPILE": "0"}, "run eager torch operations"),
+    ],
+)
+def test_doctor_says_how_quantized_state_runs_on_torch(env, expected):
+    # On torch on a CPU a note says whether the 8-bit and 4-bit state
+    # kernels compile; JAX and TensorFlow have no such note (XLA compiles
+    # their step).
+    from keras_dtype_policy.low_precision import torch_kernels
+
+    if not env and torch_kernels.c_compiler() is None:
+        pytest.skip("no C++ compiler here: the first case cannot arise")
+    if env and BACKEND != "torch":
+        pytest.skip("the note is torch's: one run shows it absent here")
+    result = run_cli("doctor", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    notes = json.loads(result.stdout)["notes"]
+    ours = [note for note in notes if "optimizer state" in note]
+    if BACKEND == "torch":
+        assert len(ours) == 1 and expected in ours[0], notes
+    else:
+        assert ours == []
+
+
 def test_inspect_a_tf_keras_h5_file():
     result = run_cli(
         "inspect", FIXTURES / "dense_mixed_float16_adam_dynamic.h5"
