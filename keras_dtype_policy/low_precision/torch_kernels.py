@@ -1,18 +1,26 @@
-"""Block codes on torch as compiled kernels: one pass a slot.
+"""Compiled torch kernels of the low-precision step: one pass each.
 
-`torch_codes` dequantizes and quantizes a piece with about twenty
-in-place torch operations, each a pass over the piece. Where
-`torch.compile` works (inductor with a C++ compiler on a CPU, Triton on
-a GPU), this module runs the same float32 operations, in the same order,
-as one fused kernel for each direction: the same codes and scales bit for
-bit, and with stochastic rounding the same random bits, so the same codes
-too. torchao's low-bit optimizers compile their step the same way.
+On torch every operation is a pass over memory. Where `torch.compile`
+works (inductor with a C++ compiler on a CPU, Triton on a GPU), this
+module runs the step's elementwise ends as one fused kernel each, with
+the float32 arithmetic of the eager operations in the same order:
 
-The kernels compile on first use, once a process for each kind of code
-(inductor keeps them on disk, so later processes load them); a piece of
-one block runs eagerly. Where
-compiling fails (no C++ compiler, for one), a warning says so once and
-the eager `torch_codes` operations run instead. `KDP_TORCH_COMPILE=0`
+- `dequantize` and `quantize`: the block codes of 8-bit and 4-bit state
+  (`torch_codes`' eager operations): the same codes and scales bit for
+  bit when rounding to nearest;
+- `round_to_bfloat16`: stochastic rounding of float32 values into
+  bfloat16 storage (`torch_step.store_rounded`).
+
+Stochastic rounding hashes each element's index with a key drawn from
+the step's stream (`lowbias32`, as `random_bits.hashed_noise` does)
+inside the kernel instead of reading random bits from memory: given the
+same bits, the kernels give what the eager operations give, bit for bit.
+torchao's low-bit optimizers compile their step the same way.
+
+The kernels compile on first use, once a process for each kind (inductor
+keeps them on disk, so later processes load them); a piece of one block
+runs eagerly. Where compiling fails (no C++ compiler, for one), a warning
+says so once and the eager operations run instead. `KDP_TORCH_COMPILE=0`
 keeps the eager operations from the start; inside a step that torch
 itself is compiling, they run too.
 
@@ -59,10 +67,10 @@ def dequantize(out, codes, scales, code):
         True if done; False where the caller must run the eager
         operations instead.
     """
-    kernel = _kernel(_dequantize, code, stochastic=False)
+    kernel = _kernel(_dequantize, None, **_constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
-    return _run(kernel, (out, codes, scales), code)
+    return _run(kernel, (out, codes, scales))
 
 
 def quantize(values, codes, scales, code, noise=None):
@@ -83,43 +91,58 @@ def quantize(values, codes, scales, code, noise=None):
         NaN (its scales then say so; codes and scales are to be written
         again by `block_codes`' own path).
     """
-    kernel = _kernel(_quantize, code, stochastic=noise is not None)
+    stochastic = noise is not None
+    kernel = _kernel(_quantize, stochastic, **_constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
     key = None
     if noise is not None:
         # Two 16-bit draws of the step's stream make the call's key.
         key = noise.int32(2)
-    done = _run(kernel, (values, codes, scales), code, key)
+    done = _run(kernel, (values, codes, scales), key)
     return done and bool(_all_finite(scales))
 
 
-def _whole(tensor):
-    """`(storage, offset, size)`: the whole flat storage of a contiguous
-    `tensor`, where it starts in it and its size.
+def round_to_bfloat16(stored, working, noise):
+    """Stores float32 `working` into bfloat16 `stored`, rounded
+    stochastically, compiled (`torch_step.store_rounded`'s arithmetic).
 
-    The kernels take whole storages and slice them themselves: views at
-    varying offsets would make torch compile a kernel for each.
+    Args:
+        stored: The contiguous bfloat16 torch tensor to write.
+        working: The contiguous float32 values, as many.
+        noise: A `random_bits.TorchNoise`.
+
+    Returns:
+        True if done; False where the caller must run the eager
+        operations instead.
     """
     import torch
 
-    storage = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    storage.set_(tensor.untyped_storage())
-    return storage, tensor.storage_offset(), tensor.numel()
+    kernel = _kernel(_round_to_bfloat16, True)
+    if kernel is None:
+        return False
+    # The bit pattern as integers: no bit cast of the input in the kernel.
+    pieces = (stored, working.view(torch.int32))
+    return _run(kernel, pieces, noise.int32(2))
 
 
-def _run(kernel, pieces, code, *rest):
-    """Calls a compiled kernel on the `_whole` of each tensor of `pieces`;
-    False (and eager from now on) if it cannot compile."""
-    arguments = [part for tensor in pieces for part in _whole(tensor)]
+def _constants(code):
+    return {"bits": code.bits, "signed": code.signed, "block": code.block}
+
+
+def _run(kernel, pieces, *rest):
+    """Calls a compiled kernel on the tensors `pieces` (views written in
+    place as a whole, never sliced inside a kernel) and `rest`; False (and
+    eager from now on) if it cannot compile."""
     try:
-        kernel(*arguments, *rest)
+        kernel(*pieces, *rest)
     except Exception as error:  # noqa: BLE001 - any compile failure
         _failed.append(error)
         warnings.warn(
-            "keras_dtype_policy: torch.compile failed for the 8-bit and "
-            "4-bit optimizer-state kernels, so they run as eager torch "
-            f"operations, which is slower ({type(error).__name__}: "
+            "keras_dtype_policy: torch.compile failed for the kernels of "
+            "the low-precision step (8-bit and 4-bit state, stochastic "
+            "rounding), so they run as eager torch operations, which is "
+            f"slower ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}). Set "
             f"{SWITCH}=0 to skip the attempt.",
             RuntimeWarning,
@@ -129,13 +152,13 @@ def _run(kernel, pieces, code, *rest):
     return True
 
 
-def _kernel(body, code, stochastic):
-    """The compiled `body` for `code`, or None where eager operations
-    run.
+def _kernel(body, stochastic, **constants):
+    """The compiled `body`, or None where eager operations run.
 
-    The code's bits, signedness and block are constants of the kernel;
-    each kind of code gets its own copy of the function, so that torch's
-    limit on recompilations of one function is never reached.
+    `constants` (a code's bits, signedness and block) are constants of
+    the kernel. Each kind of kernel gets its own copy of the function, so
+    that torch's limit on recompilations of one function is never
+    reached.
     """
     if not enabled():
         return None
@@ -143,14 +166,14 @@ def _kernel(body, code, stochastic):
 
     if torch.compiler.is_compiling():
         return None
-    key = (body.__name__, code.bits, code.signed, stochastic)
+    key = (body.__name__, stochastic, *sorted(constants.items()))
     if key not in _compiled:
-        bits, signed, block = code.bits, code.signed, code.block
 
         def kernel(*arguments):
-            return body(*arguments, bits=bits, signed=signed, block=block)
+            return body(*arguments, **constants)
 
         name = "_".join(str(part) for part in key)
+        name = "".join(c if c.isalnum() else "_" for c in name)
         copy = types.FunctionType(
             kernel.__code__.replace(co_name=name),
             kernel.__globals__,
@@ -168,10 +191,11 @@ def _all_finite(scales):
     return torch.isfinite(scales).all()
 
 
-def _hashed_uniform(size, key, device):
-    """Uniform float32 values in (0, 1), 16 bits each: the `lowbias32`
-    hash of each element's index with the key (`random_bits.hashed_noise`,
-    computed inside the kernel instead of read from memory).
+def _hashed_bits(size, key, device):
+    """16 random bits an element, as int32 values in `[0, 2**16)`: the
+    `lowbias32` hash of each element's index with the key
+    (`random_bits.hashed_noise`, computed inside the kernel instead of
+    read from memory).
 
     Args:
         size: How many values.
@@ -186,8 +210,15 @@ def _hashed_uniform(size, key, device):
     hashed = hashed * random_bits.MULTIPLY_1
     hashed = hashed ^ ((hashed >> 15) & 0x1FFFF)
     hashed = hashed * random_bits.MULTIPLY_2
-    top = (hashed >> 16) & 0xFFFF
-    return (top.to(torch.float32) + 0.5) * (1.0 / 65536.0)
+    return (hashed >> 16) & 0xFFFF
+
+
+def _hashed_uniform(size, key, device):
+    """Uniform float32 values in (0, 1) from `_hashed_bits`."""
+    import torch
+
+    bits = _hashed_bits(size, key, device)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
 def _levels(bits, signed):
@@ -195,27 +226,12 @@ def _levels(bits, signed):
     return 2 ** (bits - 1) - 1 if signed else 2**bits
 
 
-def _dequantize(
-    out,
-    at,
-    size,
-    codes,
-    codes_at,
-    codes_size,
-    scales,
-    scales_at,
-    blocks,
-    *,
-    bits,
-    signed,
-    block,
-):
+def _dequantize(out, codes, scales, *, bits, signed, block):
     """The body of the dequantize kernel (`torch_codes.dequantize`)."""
     import torch
 
     levels = _levels(bits, signed)
-    codes = codes[codes_at : codes_at + codes_size]
-    scales = scales[scales_at : scales_at + blocks]
+    codes = codes.reshape(-1)
     if bits == 4:
         # The byte is the code + 128; the even element in its low half.
         byte = codes.to(torch.int32) + 128
@@ -236,32 +252,18 @@ def _dequantize(
     grid = float(levels ** (2 if signed else 4))
     step = (scales / grid)[:, None]
     result = (level.view(-1, block) * step).view(-1)
-    out[at : at + size].copy_(result)
+    out.copy_(result)
 
 
-def _quantize(
-    values,
-    at,
-    size,
-    codes,
-    codes_at,
-    codes_size,
-    scales,
-    scales_at,
-    blocks,
-    key,
-    *,
-    bits,
-    signed,
-    block,
-):
+def _quantize(values, codes, scales, key, *, bits, signed, block):
     """The body of the quantize kernel (`torch_codes.quantize`)."""
     import torch
 
     levels = _levels(bits, signed)
     # Blocks as rows throughout: each row's largest magnitude and its codes
     # come from one loop over the row, which stays in cache.
-    values = values[at : at + size].view(-1, block)
+    size = values.shape[0]
+    values = values.view(-1, block)
     if signed:
         relative = torch.abs(values)
     else:
@@ -301,11 +303,20 @@ def _quantize(
         coded = index
     else:
         coded = index - 128.0
-    written = codes[codes_at : codes_at + codes_size].view(
-        -1, block * bits // 8
-    )
-    written.copy_(coded.to(torch.int8))
-    scales[scales_at : scales_at + blocks].copy_(largest.view(-1))
+    codes.copy_(coded.to(torch.int8).view(codes.shape))
+    scales.copy_(largest.view(-1))
+
+
+def _round_to_bfloat16(stored, working, key):
+    """The body of the bfloat16 rounding kernel: 16 random bits added to
+    the float32 bit pattern (int32 `working`), the low half of the sum
+    cleared: a bfloat16 value, stored exactly."""
+    import torch
+
+    summed = working + _hashed_bits(working.shape[0], key, working.device)
+    # The low half cleared, the float32 is a bfloat16 value: exact.
+    rounded = (summed & -65536).view(torch.float32)
+    stored.copy_(rounded.to(torch.bfloat16))
 
 
 def _fourth_power(base):

@@ -32,6 +32,7 @@ import numpy as np
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import random_bits
 from keras_dtype_policy.low_precision import torch_codes
+from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 # The most elements one group's float32 working tensors cover.
@@ -394,6 +395,9 @@ def store_rounded(stored, working, noise, scratch=None):
             compensated_updates.stochastic_round(working, stored.dtype, seed)
         )
         return
+    if stored.is_contiguous() and working.is_contiguous():
+        if torch_kernels.round_to_bfloat16(stored, working, noise):
+            return
     size = working.numel()
     if noise.device.type == "cpu":
         bits = working.reshape(-1).view(torch.int32).numpy()

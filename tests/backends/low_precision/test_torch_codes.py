@@ -137,31 +137,33 @@ def test_torch_codes_round_stochastically_without_bias(
     assert abs(mean - 0.3) < 3e-3
 
 
-class KeyedNoise:
-    """A `TorchNoise` stand-in whose bits are the compiled kernel's hash:
-    `int32(2)` gives the key, `uint16` the eager operations' bits."""
+def keyed_noise(key):
+    """A `TorchNoise` whose bits are the compiled kernels' hash: `int32(2)`
+    gives the key, `uint16` the eager operations' bits."""
+    from keras_dtype_policy.low_precision import random_bits
 
-    device = None
+    class KeyedNoise(random_bits.TorchNoise):
+        def __init__(self):
+            import torch
 
-    def __init__(self, key):
-        import torch
+            self.device = torch.device("cpu")
+            self.key = key
 
-        self.device = torch.device("cpu")
-        self.key = key
+        def int32(self, size, bits=16):
+            import torch
 
-    def int32(self, size, bits=16):
-        import torch
+            assert (size, bits) == (2, 16)
+            return torch.tensor(self.key, dtype=torch.int32)
 
-        assert (size, bits) == (2, 16)
-        return torch.tensor(self.key, dtype=torch.int32)
+        def uint16(self, size):
+            from keras_dtype_policy.low_precision import random_bits
 
-    def uint16(self, size):
-        from keras_dtype_policy.low_precision import random_bits
+            first, second = self.key
+            key = keras.ops.convert_to_tensor(first ^ (second * 32768), "int32")
+            bits = random_bits.hashed_noise((size,), 16, key)
+            return keras.ops.convert_to_numpy(bits).astype("uint16")
 
-        first, second = self.key
-        key = keras.ops.convert_to_tensor(first ^ (second * 32768), "int32")
-        bits = random_bits.hashed_noise((size,), 16, key)
-        return keras.ops.convert_to_numpy(bits).astype("uint16")
+    return KeyedNoise()
 
 
 def quantized(values, code, noise=None):
@@ -202,12 +204,12 @@ def test_compiled_stochastic_codes_are_eager_ones_given_the_same_bits(
     results = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(torch_kernels.SWITCH, switch)
-        results[switch] = quantized(finite, code, KeyedNoise((40961, 65535)))
+        results[switch] = quantized(finite, code, keyed_noise((40961, 65535)))
     assert torch_kernels._failed == []
     for compiled, eager in zip(results["1"], results["0"], strict=True):
         np.testing.assert_array_equal(compiled, eager)
     # And the key matters: another one moves some codes.
-    other = quantized(finite, code, KeyedNoise((7, 3)))
+    other = quantized(finite, code, keyed_noise((7, 3)))
     assert np.mean(other[0] != results["1"][0]) > 0.01
 
 
@@ -315,3 +317,86 @@ def test_a_step_on_compiled_kernels(update, monkeypatch):
         np.testing.assert_allclose(compiled, eager, atol=1e-2)
         moved = np.mean(np.abs(eager - start))
         assert np.mean(np.abs(compiled - eager)) < 0.02 * moved
+
+
+def test_compiled_bfloat16_rounding_is_the_eager_one_given_the_same_bits(
+    monkeypatch,
+):
+    import torch
+
+    from keras_dtype_policy.low_precision import torch_kernels
+    from keras_dtype_policy.low_precision import torch_step
+
+    if c_compiler() is None:
+        pytest.skip("no C++ compiler here: torch.compile cannot run")
+    rng = np.random.default_rng(4)
+    values = rng.normal(size=5000).astype("float32")
+    values *= rng.lognormal(0.0, 8.0, size=5000).astype("float32")
+    values[:4] = [np.inf, -np.inf, 3.3e38, -0.0]
+    values[4] = np.nan
+    working = torch.from_numpy(values)
+    monkeypatch.setattr(torch_kernels, "_failed", [])
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(torch_kernels.SWITCH, switch)
+        stored = torch.zeros(6000, dtype=torch.bfloat16)
+        # At an offset in its storage, as a piece of a weight is.
+        torch_step.store_rounded(
+            stored[700:5700], working, keyed_noise((3, 60000))
+        )
+        results[switch] = stored.view(torch.int16).numpy().copy()
+    assert torch_kernels._failed == []
+    compiled, eager = results["1"], results["0"]
+    # Bit for bit but for the NaN, a NaN either way (its sign and payload
+    # are the conversion's).
+    nan = 700 + 4
+    finite = np.arange(6000) != nan
+    np.testing.assert_array_equal(compiled[finite], eager[finite])
+    as_float = torch.from_numpy(compiled).view(torch.bfloat16).float()
+    assert torch.isnan(as_float[nan])
+    # The rounding is stochastic: some values went up, some down.
+    rounded = as_float[700:5700].numpy()
+    assert 0.2 < np.mean(rounded[5:] > values[5:]) < 0.8
+
+
+def test_compiled_kernels_write_only_their_piece(codes_path):
+    # Pieces of slots of several sizes at several offsets, in one process:
+    # each kernel writes exactly its piece of the codes and scales (a
+    # kernel that sliced whole storages itself once wrote past its piece
+    # after a recompilation for a larger slot).
+    import torch
+
+    from keras_dtype_policy.low_precision import block_codes
+    from keras_dtype_policy.low_precision import torch_codes
+
+    code = block_codes.code_for(8, True)
+    rng = np.random.default_rng(5)
+    arena = torch.from_numpy(rng.normal(size=20 * code.block).astype("f4"))
+    for total in (20, 32, 45):
+        codes = torch.zeros((total, code.bytes_per_block), dtype=torch.int8)
+        scales = torch.zeros(total)
+        for first in range(0, total - 1, 3):
+            stop = min(first + 3, total)
+            size = (stop - first) * code.block
+            values = arena[first * 7 : first * 7 + size]
+            before = codes.clone(), scales.clone()
+            scratch = [torch.empty(size) for _ in range(4)]
+            torch_codes.quantize(
+                values.clone(),
+                codes[first:stop],
+                scales[first:stop],
+                code,
+                scratch,
+            )
+            expected = block_codes.quantize(values, code)
+            np.testing.assert_array_equal(
+                codes[first:stop].numpy(), expected[0].numpy()
+            )
+            outside = np.ones(total, bool)
+            outside[first:stop] = False
+            np.testing.assert_array_equal(
+                codes.numpy()[outside], before[0].numpy()[outside]
+            )
+            np.testing.assert_array_equal(
+                scales.numpy()[outside], before[1].numpy()[outside]
+            )
