@@ -380,14 +380,19 @@ def store_rounded(stored, working, noise, scratch=None):
     Args:
         stored: The bfloat16 or float16 torch tensor to write.
         working: The float32 values, a torch tensor of the same shape.
-        noise: A `random_bits.TorchNoise`, or a `keras.random.SeedGenerator`
-            (advanced by one).
+        noise: A `random_bits.TorchNoise` (a compiled kernel may then
+            hash a key drawn from it: `torch_kernels`), or a
+            `keras.random.SeedGenerator` (advanced by one; the bits of
+            `compensated_updates.stochastic_round`).
         scratch: Optional float32 torch tensor of at least as many
             elements, to hold the sum on a CPU.
     """
     import torch
 
-    if not isinstance(noise, random_bits.TorchNoise):
+    # The step's stream may use the compiled kernel's hashed bits; a
+    # seed gives the bits `compensated_updates.stochastic_round` draws.
+    compiled = isinstance(noise, random_bits.TorchNoise)
+    if not compiled:
         noise = random_bits.TorchNoise(noise, working.device)
     if stored.dtype != torch.bfloat16 or sys.byteorder != "little":
         seed = int(noise.int32(2).sum()) & 0x7FFFFFFF
@@ -395,7 +400,7 @@ def store_rounded(stored, working, noise, scratch=None):
             compensated_updates.stochastic_round(working, stored.dtype, seed)
         )
         return
-    if stored.is_contiguous() and working.is_contiguous():
+    if compiled and stored.is_contiguous() and working.is_contiguous():
         if torch_kernels.round_to_bfloat16(stored, working, noise):
             return
     size = working.numel()
