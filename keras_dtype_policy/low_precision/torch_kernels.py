@@ -57,11 +57,8 @@ def c_compiler():
 def dequantize(out, codes, scales, code):
     """Writes what `(codes, scales)` stand for into `out`, compiled.
 
-    Args:
-        out: A flat float32 torch tensor of `blocks * code.block` elements.
-        codes: The int8 codes, shape `(blocks, code.bytes_per_block)`.
-        scales: The float32 scales, shape `(blocks,)`.
-        code: The `block_codes.Code`.
+    The arguments are `torch_codes.dequantize`'s, without its scratch
+    space.
 
     Returns:
         True if done; False where the caller must run the eager
@@ -76,14 +73,7 @@ def dequantize(out, codes, scales, code):
 def quantize(values, codes, scales, code, noise=None):
     """Writes `values` as codes and scales, compiled; `values` is kept.
 
-    Args:
-        values: A flat float32 torch tensor of `blocks * code.block`
-            elements (its padding zeros).
-        codes: The int8 torch tensor to write, `(blocks, bytes)`.
-        scales: The float32 torch tensor to write, `(blocks,)`.
-        code: The `block_codes.Code`.
-        noise: A `random_bits.TorchNoise` for stochastic rounding; None
-            rounds to nearest.
+    The arguments are `torch_codes.quantize`'s, without its scratch space.
 
     Returns:
         True if done. False where the caller must run the eager
