@@ -7,7 +7,13 @@ weights it reads each low-precision weight once into a float32 working
 tensor (its Kahan compensation added), widens the optimizer slots stored
 in bfloat16 or float16 the same way, lets the inner optimizer's
 `_parallel_update_step` update them all in place, then writes every
-result back rounded, with batched operations. Groups hold at most
+result back rounded, with batched operations. Each end of a group's step
+is one operation for the whole group, not one a tensor: one batched copy
+widens what is stored narrow, one pass (or compiled kernel) dequantizes
+each code's slots and one quantizes them back, one rounds every value
+stored stochastically into bfloat16; staging space and one batched copy
+carry codes and rounded values between the group's working space and
+each tensor. Groups hold at most
 `GROUP_ELEMENTS` elements, so the float32 working copies never exceed a
 bounded size whatever the model, and each lives only for its group.
 
@@ -146,10 +152,14 @@ def _inner_update(inner, grads, targets, learning_rate):
 
 
 def _update_pieces(wrapper, group, learning_rate, noise):
+    """Updates one group: each end of the step is one batched operation
+    (or one kernel) for the whole group, never one a tensor."""
     import torch
 
     arena = _Arena(wrapper, group)
-    swapped, coded, views, grads = [], [], [], []
+    widened = ([], [])  # (float32 copies, what they copy), one batched copy
+    compensated = ([], [])  # (working weights, their compensations)
+    swapped, views, grads = [], [], []
     try:
         for piece in group:
             view = piece.view
@@ -157,48 +167,83 @@ def _update_pieces(wrapper, group, learning_rate, noise):
             if weight.dtype == torch.float32:
                 working = weight
             else:
-                working = arena.take(piece.size).copy_(weight)
+                working = arena.take(_weight_role(wrapper, view), piece.size)
+                _pair(widened, working, weight)
                 if view.compensation is not None:
-                    compensation = arena.take(piece.size)
-                    compensation.copy_(piece.flat(view.compensation._value))
-                    working.add_(compensation)
+                    compensation = arena.take(_OTHER, piece.size)
+                    stored = piece.flat(view.compensation._value)
+                    _pair(widened, compensation, stored)
+                    _pair(compensated, working, compensation)
+            if working is not weight:
+                arena.stored[id(working)] = weight
             view.working = working
             views.append(view)
             grad = piece.flat(piece.grad)
             if grad.dtype != torch.float32:
-                grad = arena.take(piece.size).copy_(grad)
+                copy = arena.take(_OTHER, piece.size)
+                _pair(widened, copy, grad)
+                grad = copy
             grads.append(grad)
             for slot in piece.slots:
                 if isinstance(slot, QuantizedSlot):
-                    coded.append((piece, slot, _read_codes(piece, slot, arena)))
+                    arena.coded.setdefault(slot.code, []).append((piece, slot))
                     continue
                 stored = slot._value
                 flat = piece.flat(stored)
                 if flat.dtype != torch.float32:
-                    slot._value = arena.take(piece.size).copy_(flat)
+                    role = _OTHER if wrapper.update == "nearest" else _ROUNDED
+                    slot._value = arena.take(role, piece.size)
+                    _pair(widened, slot._value, flat)
+                    arena.stored[id(slot._value)] = flat
                     swapped.append((slot, stored, flat))
                 else:
                     slot._value = flat
                     swapped.append((slot, stored, None))
+        if widened[0]:
+            torch._foreach_copy_(*widened)
+        if compensated[0]:
+            torch._foreach_add_(*compensated)
+        for code, entries in arena.coded.items():
+            _read_codes(code, entries, arena)
         _inner_update(wrapper.inner_optimizer, grads, views, learning_rate)
+        narrowed = ([], [])  # stored to nearest, one batched copy
         for piece in group:
-            _write_weight(wrapper, piece, arena, noise)
-        for slot, _, flat in swapped:
-            if flat is None:
-                continue
-            if wrapper.update == "nearest":
-                flat.copy_(slot._value)
-            else:
-                store_rounded(flat, slot._value, noise, arena.sum_space)
-        for piece, slot, working in coded:
-            _write_codes(piece, slot, working, arena, noise)
+            _write_weight(wrapper, piece, arena, narrowed)
+        if wrapper.update == "nearest":
+            for slot, _, flat in swapped:
+                if flat is not None:
+                    _pair(narrowed, flat, slot._value)
+        if narrowed[0]:
+            torch._foreach_copy_(*narrowed)
+        _store_rounded_region(arena, noise)
+        for code, entries in arena.coded.items():
+            _write_codes(code, entries, arena, noise)
     finally:
         for view in views:
             view.working = None
-        for _, slot, _ in coded:
-            slot.working = None
+        for entries in arena.coded.values():
+            for _, slot in entries:
+                slot.working = None
         for slot, stored, _ in swapped:
             slot._value = stored
+
+
+# The arena's regions: values stored back rounded stochastically (one
+# region, rounded in one pass), and the rest; each code has its own.
+_ROUNDED = "rounded"
+_OTHER = "other"
+
+
+def _pair(pairs, destination, source):
+    pairs[0].append(destination)
+    pairs[1].append(source)
+
+
+def _weight_role(wrapper, view):
+    """The region of a weight's float32 working copy."""
+    if view.compensation is None and wrapper.update == "stochastic_rounding":
+        return _ROUNDED
+    return _OTHER
 
 
 class _Arena:
@@ -206,37 +251,115 @@ class _Arena:
 
     Fresh tensors would cost a page fault every 4 KiB on every step; this
     space is allocated once (and grown if a group needs more), never more
-    than `GROUP_ELEMENTS` elements for each float32 copy a piece needs.
+    than a few float32 copies of `GROUP_ELEMENTS` elements. It is split in
+    regions: the values that are stored back rounded stochastically, side
+    by side, so that one pass rounds them all; each code's working values
+    (whole blocks), so that one pass quantizes them; the rest; then
+    scratch and staging space.
     """
 
     def __init__(self, wrapper, group):
         import torch
 
-        targets = wrapper._targets
-        needed = sum(_piece_space(piece) for piece in group)
+        sizes = {_ROUNDED: 0}
+        for piece in group:
+            for role, size in _needs(wrapper, piece):
+                sizes[role] = sizes.get(role, 0) + size
+        sizes.setdefault(_OTHER, 0)
+        coded = [sizes[r] for r in sizes if r not in (_ROUNDED, _OTHER)]
+        largest_code = max(coded, default=0)
         largest = max(piece.size for piece in group)
-        coded = max(_padded(piece) for piece in group)
-        scratch = torch_codes.SCRATCH_TENSORS if coded else 0
-        total = needed + largest + scratch * coded
-        space = getattr(targets, "arena", None)
+        self.regions, start = {}, 0
+        for role, size in sizes.items():
+            self.regions[role] = (start, start + size)
+            start += size
+        summing = max(largest, sizes[_ROUNDED])
+        scratch = torch_codes.SCRATCH_TENSORS if largest_code else 0
+        # bfloat16 staging of the rounded region, int8 codes and scales
+        # staging of the largest code region (4 codes a float32 at most).
+        staging = -(-sizes[_ROUNDED] // 2) + 2 * largest_code
+        total = start + summing + scratch * largest_code + staging
+        space = getattr(wrapper._targets, "arena", None)
         device = group[0].view.weight._value.device
         if space is None or space.numel() < total or space.device != device:
             space = torch.empty(total, device=device)
-            targets.arena = space
+            wrapper._targets.arena = space
         self.space = space
-        self.sum_space = space[needed : needed + largest]
-        start = needed + largest
+        self.sum_space = space[start : start + summing]
+        start += summing
         self.code_space = [
-            space[start + i * coded : start + (i + 1) * coded]
+            space[start + i * largest_code : start + (i + 1) * largest_code]
             for i in range(scratch)
         ]
-        self.used = 0
+        start += scratch * largest_code
+        self.staging = space[start:total]
+        self.used = {role: first for role, (first, _) in self.regions.items()}
+        # The stored tensor of each working copy (by id), and the slots of
+        # each code: what the ends of the step write back.
+        self.stored = {}
+        self.coded = {}
+        self.rounded = []
 
-    def take(self, size):
-        """Returns the next `size` elements of the space."""
-        taken = self.space[self.used : self.used + size]
-        self.used += size
+    def take(self, role, size):
+        """Returns the next `size` elements of region `role`."""
+        first = self.used[role]
+        self.used[role] += size
+        taken = self.space[first : first + size]
+        if role == _ROUNDED:
+            self.rounded.append(taken)
         return taken
+
+    def region(self, role):
+        first, stop = self.regions[role]
+        return self.space[first:stop]
+
+
+def _needs(wrapper, piece):
+    """`(region, elements)` of each float32 copy a piece needs: its
+    weight, compensation and gradient, and each slot (a quantized one in
+    whole blocks, in its code's region)."""
+    import torch
+
+    view = piece.view
+    if view.weight._value.dtype != torch.float32:
+        yield _weight_role(wrapper, view), piece.size
+        if view.compensation is not None:
+            yield _OTHER, piece.size
+    if piece.grad.dtype != torch.float32:
+        yield _OTHER, piece.size
+    for slot in piece.slots:
+        if isinstance(slot, QuantizedSlot):
+            yield slot.code, _padded(piece, slot)
+        elif slot._value.dtype != torch.float32:
+            role = _OTHER if wrapper.update == "nearest" else _ROUNDED
+            yield role, piece.size
+
+
+def _store_rounded_region(arena, noise):
+    """Stores every value of the rounded region, rounded stochastically.
+
+    Into bfloat16 the whole region is rounded in one pass into staging
+    space, then copied out in one batched copy; other storage (float16)
+    is rounded tensor by tensor.
+    """
+    import torch
+
+    workings = arena.rounded
+    if not workings:
+        return
+    stored = [arena.stored[id(working)] for working in workings]
+    if any(s.dtype != torch.bfloat16 for s in stored):
+        for target, working in zip(stored, workings, strict=True):
+            store_rounded(target, working, noise, arena.sum_space)
+        return
+    region = arena.region(_ROUNDED)
+    staged = arena.staging.view(torch.bfloat16)[: region.numel()]
+    store_rounded(staged, region, noise, arena.sum_space)
+    pieces, start = [], 0
+    for working in workings:
+        pieces.append(staged[start : start + working.numel()])
+        start += working.numel()
+    torch._foreach_copy_(stored, pieces)
 
 
 def _blocks(piece, slot):
@@ -245,60 +368,78 @@ def _blocks(piece, slot):
     return piece.start // block, -(-piece.stop // block)
 
 
-def _read_codes(piece, slot, arena):
-    """Dequantizes `piece`'s blocks of `slot` into arena space, which the
-    slot reads as its value (its piece's elements) until written back.
-    Returns that space, padding included."""
-    first, stop = _blocks(piece, slot)
-    working = arena.take((stop - first) * slot.code.block)
-    torch_codes.dequantize(
-        working,
-        slot.codes._value[first:stop],
-        slot.scales._value[first:stop],
-        slot.code,
-        arena.code_space[0],
-    )
-    slot.working = working[: piece.size]
-    return working
+def _coded_pieces(entries):
+    """Each entry's codes, scales and `(offset, elements)` in its code's
+    region."""
+    offset = 0
+    for piece, slot in entries:
+        first, stop = _blocks(piece, slot)
+        padded = (stop - first) * slot.code.block
+        codes = slot.codes._value[first:stop]
+        scales = slot.scales._value[first:stop]
+        yield codes, scales, offset, padded
+        offset += padded
 
 
-def _write_codes(piece, slot, working, arena, noise):
-    """Quantizes the updated `working` space back into `slot`'s codes."""
-    first, stop = _blocks(piece, slot)
-    # The padding of a weight's last block is stored as zeros.
-    working[piece.size :].zero_()
-    torch_codes.quantize(
-        working,
-        slot.codes._value[first:stop],
-        slot.scales._value[first:stop],
-        slot.code,
-        arena.code_space,
-        noise,
-    )
+def _staged_codes(code, blocks, arena):
+    """Staging space for the int8 codes and the scales of `blocks`."""
+    import torch
+
+    codes = arena.staging.view(torch.int8)[: blocks * code.bytes_per_block]
+    start = -(-codes.numel() // 4)
+    scales = arena.staging[start : start + blocks]
+    return codes.view(blocks, code.bytes_per_block), scales
 
 
-def _piece_space(piece):
-    """Arena elements a piece takes: its weight, compensation and gradient,
-    and each slot (a quantized one with its padding)."""
-    slots = sum(
-        _padded(piece, slot) if isinstance(slot, QuantizedSlot) else piece.size
-        for slot in piece.slots
-    )
-    return 3 * piece.size + slots
+def _read_codes(code, entries, arena):
+    """Dequantizes every slot piece of `code` in the group at once into
+    the code's region; each slot reads its piece of it as its value until
+    written back."""
+    import torch
+
+    region = arena.region(code)
+    listed = list(_coded_pieces(entries))
+    if len(listed) == 1:
+        codes, scales = listed[0][:2]
+    else:
+        blocks = region.numel() // code.block
+        codes, scales = _staged_codes(code, blocks, arena)
+        torch.cat([item[0] for item in listed], out=codes)
+        torch.cat([item[1] for item in listed], out=scales)
+    torch_codes.dequantize(region, codes, scales, code, arena.code_space[0])
+    for (piece, slot), (_, _, offset, _) in zip(entries, listed, strict=True):
+        slot.working = region[offset : offset + piece.size]
 
 
-def _padded(piece, slot=None):
-    """Elements of `piece`'s blocks of `slot` (of its quantized slots with
-    the largest block, for None; 0 where it has none)."""
-    if slot is None:
-        return max(
-            (
-                _padded(piece, s)
-                for s in piece.slots
-                if isinstance(s, QuantizedSlot)
-            ),
-            default=0,
+def _write_codes(code, entries, arena, noise):
+    """Quantizes the updated code region back into every slot's codes."""
+    import torch
+
+    region = arena.region(code)
+    listed = list(_coded_pieces(entries))
+    for (piece, _), (_, _, offset, padded) in zip(entries, listed, strict=True):
+        # The padding of a weight's last block is stored as zeros.
+        region[offset + piece.size : offset + padded].zero_()
+    if len(listed) == 1:
+        codes, scales = listed[0][:2]
+        torch_codes.quantize(
+            region, codes, scales, code, arena.code_space, noise
         )
+        return
+    blocks = region.numel() // code.block
+    codes, scales = _staged_codes(code, blocks, arena)
+    torch_codes.quantize(region, codes, scales, code, arena.code_space, noise)
+    targets, sources, block = [], [], 0
+    for item in listed:
+        count = item[0].shape[0]
+        targets += [item[0], item[1]]
+        sources += [codes[block : block + count], scales[block : block + count]]
+        block += count
+    torch._foreach_copy_(targets, sources)
+
+
+def _padded(piece, slot):
+    """Elements of `piece`'s blocks of `slot`."""
     first, stop = _blocks(piece, slot)
     return (stop - first) * slot.code.block
 
@@ -348,11 +489,14 @@ def _fused_adam(inner, grads, order, learning_rate):
     )
 
 
-def _write_weight(wrapper, piece, arena, noise):
+def _write_weight(wrapper, piece, arena, narrowed):
+    """Writes a piece's weight back: Kahan-compensated or rounded to
+    nearest here (nearest through the batched copy `narrowed`); rounded
+    stochastically with its region (`_store_rounded_region`)."""
     view = piece.view
-    stored = piece.flat(view.weight._value)
     working = view.working
-    if stored.data_ptr() == working.data_ptr():
+    stored = arena.stored.get(id(working))
+    if stored is None or _weight_role(wrapper, view) == _ROUNDED:
         return
     if view.compensation is not None:
         # Rounded to nearest; the compensation keeps what it took off.
@@ -360,10 +504,8 @@ def _write_weight(wrapper, piece, arena, noise):
         rounded = arena.sum_space[: piece.size].copy_(stored)
         working.sub_(rounded)
         piece.flat(view.compensation._value).copy_(working)
-    elif wrapper.update == "stochastic_rounding":
-        store_rounded(stored, working, noise, arena.sum_space)
     else:
-        stored.copy_(working)
+        _pair(narrowed, stored, working)
 
 
 def store_rounded(stored, working, noise, scratch=None):

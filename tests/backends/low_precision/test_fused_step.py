@@ -252,3 +252,51 @@ def test_torch_batches_a_weight_larger_than_a_group(monkeypatch):
         results.append([to_numpy(s.codes) for s in slots])
     for codes, codes_ in zip(*results, strict=True):
         assert np.mean(codes != codes_) <= 1e-4
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
+@pytest.mark.parametrize("update", ["stochastic_rounding", "nearest"])
+def test_torch_runs_each_end_of_a_group_as_one_operation(update, monkeypatch):
+    # One group of 8 bfloat16 weights with 8-bit state: the step reads each
+    # code's slots with one dequantize, writes them with one quantize, and
+    # rounds every bfloat16 weight in one pass (a kernel call costs tens of
+    # microseconds of torch.compile's guards, so one a tensor adds up).
+    from keras_dtype_policy.low_precision import torch_codes
+
+    calls = {"dequantize": 0, "quantize": 0, "store_rounded": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    for module, name in (
+        (torch_codes, "dequantize"),
+        (torch_codes, "quantize"),
+        (torch_step, "store_rounded"),
+    ):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    rng = np.random.default_rng(0)
+    shapes = [(40, 33), (257,), (3, 100), (64, 64)] * 2
+    weights = [
+        keras.Variable(rng.normal(size=s).astype("float32"), dtype="bfloat16")
+        for s in shapes
+    ]
+    optimizer = LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), update=update, state_dtype="8bit", seed=3
+    )
+    grads = [keras.ops.cast(rng.normal(size=s), "bfloat16") for s in shapes]
+    optimizer.apply(grads, weights)  # builds the slots
+    calls.update(dequantize=0, quantize=0, store_rounded=0)
+    before = [as_float32(w) for w in weights]
+    optimizer.apply(grads, weights)
+    assert torch_step.can_batch(optimizer)
+    rounded = 1 if update == "stochastic_rounding" else 0
+    assert calls == {"dequantize": 2, "quantize": 2, "store_rounded": rounded}
+    # Every weight moved (Adam's step is about the learning rate), none
+    # by more than a few steps.
+    for weight, old in zip(weights, before, strict=True):
+        moved = np.abs(as_float32(weight) - old)
+        assert 0.2 < np.mean(moved > 0) and np.max(moved) < 0.1
