@@ -210,12 +210,33 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             with torch.no_grad():
                 return self._apply(grads, trainable_variables)
         if tensorflow_step.can_compile(self):
+            if tensorflow_step.in_groups(trainable_variables):
+                return tensorflow_step.grouped_apply(
+                    self, grads, trainable_variables
+                )
             return tensorflow_step.compiled_apply(
                 self, grads, trainable_variables
             )
         return self._apply(grads, trainable_variables)
 
     def _apply(self, grads, trainable_variables):
+        inner = self.inner_optimizer
+        with keras.name_scope(inner.name, caller=inner):
+            grads, variables, learning_rate = self._prepare_step(
+                grads, trainable_variables
+            )
+            self._run_updates(grads, variables, learning_rate)
+            inner._iterations.assign_add(1)
+
+    def _prepare_step(self, grads, trainable_variables):
+        """What comes before the per-variable updates: the gradients
+        summed across replicas, unscaled and clipped, and the state the
+        inner optimizer advances once a step.
+
+        Returns:
+            `(grads, variables, learning_rate)`, without the variables
+            that got no gradient.
+        """
         inner = self.inner_optimizer
         pairs = [
             (g, v)
@@ -224,33 +245,34 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         ]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
-        with keras.name_scope(inner.name, caller=inner):
-            grads = inner_step.summed_across_replicas([g for g, _ in pairs])
-            if _clips(inner):
-                # Clipped in float32, as the rest of the inner arithmetic.
-                views = self._targets.views
-                grads = [
-                    ops.cast(g, "float32") if id(v) in views else g
-                    for g, (_, v) in zip(grads, pairs, strict=True)
-                ]
-            scale = inner.loss_scale_factor
-            if scale is not None:
-                grads = [g / scale for g in grads]
-            grads = inner._clip_gradients(grads)
-            learning_rate = inner.learning_rate
-            inner_step.advance_step_state(inner)
-            variables = [v for _, v in pairs]
-            self._targets.in_step = True
-            try:
-                if torch_step.can_batch(self):
-                    self._batched_updates(grads, variables, learning_rate)
-                else:
-                    self._updates(grads, variables, learning_rate)
-            finally:
-                self._targets.in_step = False
-                for slot in self._targets.quantized_slots.values():
-                    slot.working = None
-            inner._iterations.assign_add(1)
+        grads = inner_step.summed_across_replicas([g for g, _ in pairs])
+        if _clips(inner):
+            # Clipped in float32, as the rest of the inner arithmetic.
+            views = self._targets.views
+            grads = [
+                ops.cast(g, "float32") if id(v) in views else g
+                for g, (_, v) in zip(grads, pairs, strict=True)
+            ]
+        scale = inner.loss_scale_factor
+        if scale is not None:
+            grads = [g / scale for g in grads]
+        grads = inner._clip_gradients(grads)
+        learning_rate = inner.learning_rate
+        inner_step.advance_step_state(inner)
+        return grads, [v for _, v in pairs], learning_rate
+
+    def _run_updates(self, grads, variables, learning_rate):
+        """The per-variable updates of `variables` (all, or a group)."""
+        self._targets.in_step = True
+        try:
+            if torch_step.can_batch(self):
+                self._batched_updates(grads, variables, learning_rate)
+            else:
+                self._updates(grads, variables, learning_rate)
+        finally:
+            self._targets.in_step = False
+            for slot in self._targets.quantized_slots.values():
+                slot.working = None
 
     def _updates(self, grads, variables, learning_rate):
         """The inner optimizer's `update_step`, one variable at a time."""

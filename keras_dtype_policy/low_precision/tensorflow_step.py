@@ -10,10 +10,21 @@ whatever `fit` does. Not under a `tf.distribute` strategy with several
 replicas (their gradients are summed across replicas first, which XLA
 cannot do inside a replica's function): there the step runs op by op.
 
+XLA keeps every temporary of one computation (the float32 values of 8-bit
+state while it is requantized, the new values of the variables) until the
+computation ends, so a model larger than `GROUP_ELEMENTS` elements is
+updated group by group, one compiled computation each, after the parts of
+the step that need every gradient (clipping by the global norm, the
+learning rate, Nadam's product) ran once: the step's peak memory is then
+bounded by a group's temporaries, not the whole model's.
+
 TensorFlow is imported inside functions, only once Keras runs on it.
 """
 
 import keras
+
+# The most elements of variables one compiled computation updates.
+GROUP_ELEMENTS = 2**23
 
 
 def can_compile(optimizer):
@@ -71,6 +82,88 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
         cache.clear()
         cache[key] = compiled
     compiled([tf.convert_to_tensor(g) for g in grads if g is not None])
+
+
+def in_groups(variables):
+    """True where the step over `variables` runs group by group."""
+    return _elements(variables) > GROUP_ELEMENTS
+
+
+def grouped_apply(optimizer, grads, trainable_variables):
+    """Runs a `LowPrecisionOptimizer`'s step group by group.
+
+    The gradients are prepared once (summed, unscaled, clipped), then each
+    group of variables of at most `GROUP_ELEMENTS` elements (a larger
+    variable alone) is updated by its own compiled computation, traced
+    once per group; the iteration count advances at the end.
+
+    Args:
+        optimizer: The `LowPrecisionOptimizer`.
+        grads: The gradients, one per variable (None for none).
+        trainable_variables: The variables.
+    """
+    import tensorflow as tf
+
+    inner = optimizer.inner_optimizer
+    with keras.name_scope(inner.name, caller=inner):
+        grads, variables, learning_rate = optimizer._prepare_step(
+            grads, list(trainable_variables)
+        )
+        learning_rate = tf.cast(learning_rate, "float32")
+        cache = optimizer.__dict__.setdefault("_compiled_groups", {})
+        settings = _settings(optimizer)
+        groups = list(_groups(variables))
+        if len(cache) > len(groups):
+            cache.clear()
+        start = 0
+        for index, group in enumerate(groups):
+            group_grads = grads[start : start + len(group)]
+            start += len(group)
+            key = (tuple(id(v) for v in group), settings)
+            held = cache.get(index)
+            if held is None or held[0] != key:
+                held = (key, _group_step(optimizer, group))
+                cache[index] = held
+            held[1](
+                [tf.convert_to_tensor(g) for g in group_grads], learning_rate
+            )
+        inner._iterations.assign_add(1)
+
+
+def _group_step(optimizer, group):
+    """The compiled update of one group of variables."""
+    import tensorflow as tf
+
+    def run(grads, learning_rate):
+        optimizer._run_updates(grads, group, learning_rate)
+        return tf.constant(0)
+
+    return tf.function(run, jit_compile=True, autograph=False)
+
+
+def _groups(variables):
+    """`variables` in order, in groups of at most `GROUP_ELEMENTS`
+    elements (a larger variable in a group of its own)."""
+    group, filled = [], 0
+    for variable in variables:
+        size = _elements([variable])
+        if group and filled + size > GROUP_ELEMENTS:
+            yield group
+            group, filled = [], 0
+        group.append(variable)
+        filled += size
+    if group:
+        yield group
+
+
+def _elements(variables):
+    total = 0
+    for variable in variables:
+        count = 1
+        for dimension in variable.shape:
+            count *= int(dimension)
+        total += count
+    return total
 
 
 def _settings(optimizer):

@@ -132,6 +132,31 @@ def test_tensorflow_compiles_the_step_once(monkeypatch):
     assert step.experimental_get_tracing_count() == 1
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@pytest.mark.parametrize("name", ["adam", "clipped_adam", "nadam", "adamw"])
+@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+def test_tensorflow_updates_a_large_model_group_by_group(
+    name, state_dtype, monkeypatch
+):
+    # Above GROUP_ELEMENTS the step compiles one computation a group of
+    # variables (XLA holds a computation's temporaries to its end), after
+    # what needs every gradient (the global norm's clipping, Nadam's
+    # product) ran once: the same results as one computation.
+    whole, one = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
+    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    grouped, optimizer = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert "_compiled_groups" not in one.__dict__
+    assert "_compiled_steps" not in optimizer.__dict__
+    groups = optimizer.__dict__["_compiled_groups"]
+    # Each (17, 9) weight alone, then 9 + 9 + 60 and 60 + 1 + 1 elements.
+    assert len(groups) == 4
+    for _, step in groups.values():
+        assert step.experimental_get_tracing_count() == 1
+    assert int(optimizer.iterations.numpy()) == 6
+
+
 # Quantized state: weights of several pieces (GROUP_ELEMENTS made small)
 # whose last block is padded (67 * 73 is no multiple of 256 or 128).
 QUANTIZED_SHAPES = [(67, 73), (64, 128), (9,)]
