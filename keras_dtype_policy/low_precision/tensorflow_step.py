@@ -85,8 +85,12 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
 
 
 def in_groups(variables):
-    """True where the step over `variables` runs group by group."""
-    return _elements(variables) > GROUP_ELEMENTS
+    """True where the step over `variables` runs group by group: not
+    inside a computation being traced (the package's `LossScaleOptimizer`
+    compiles its whole step), where groups would be one computation."""
+    import tensorflow as tf
+
+    return _elements(variables) > GROUP_ELEMENTS and not tf.inside_function()
 
 
 def grouped_apply(optimizer, grads, trainable_variables):

@@ -90,7 +90,9 @@ def quantize(values, codes, scales, code, noise=None):
         # Two 16-bit draws of the step's stream make the call's key.
         key = noise.int32(2)
     done = _run(kernel, (values, codes, scales), key)
-    return done and bool(_all_finite(scales))
+    import torch
+
+    return done and bool(torch.isfinite(scales).all())
 
 
 def round_to_bfloat16(stored, working, noise):
@@ -117,7 +119,14 @@ def round_to_bfloat16(stored, working, noise):
 
 
 def _constants(code):
-    return {"bits": code.bits, "signed": code.signed, "block": code.block}
+    """The code's settings, constants of its kernels."""
+    return {
+        "bits": code.bits,
+        "signed": code.signed,
+        "block": code.block,
+        "levels": code.levels,
+        "power": code.power,
+    }
 
 
 def _run(kernel, pieces, *rest):
@@ -175,12 +184,6 @@ def _kernel(body, stochastic, **constants):
     return _compiled[key]
 
 
-def _all_finite(scales):
-    import torch
-
-    return torch.isfinite(scales).all()
-
-
 def _hashed_bits(size, key, device):
     """16 random bits an element, as int32 values in `[0, 2**16)`: the
     `lowbias32` hash of each element's index with the key
@@ -211,16 +214,10 @@ def _hashed_uniform(size, key, device):
     return (bits.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
-def _levels(bits, signed):
-    """`Code.levels` of a `bits`-bit code."""
-    return 2 ** (bits - 1) - 1 if signed else 2**bits
-
-
-def _dequantize(out, codes, scales, *, bits, signed, block):
+def _dequantize(out, codes, scales, *, bits, signed, block, levels, power):
     """The body of the dequantize kernel (`torch_codes.dequantize`)."""
     import torch
 
-    levels = _levels(bits, signed)
     codes = codes.reshape(-1)
     if bits == 4:
         # The byte is the code + 128; the even element in its low half.
@@ -239,17 +236,18 @@ def _dequantize(out, codes, scales, *, bits, signed, block):
         level = index + 1.0
         level = level * level
         level = level * level
-    grid = float(levels ** (2 if signed else 4))
+    grid = float(levels**power)
     step = (scales / grid)[:, None]
     result = (level.view(-1, block) * step).view(-1)
     out.copy_(result)
 
 
-def _quantize(values, codes, scales, key, *, bits, signed, block):
+def _quantize(
+    values, codes, scales, key, *, bits, signed, block, levels, power
+):
     """The body of the quantize kernel (`torch_codes.quantize`)."""
     import torch
 
-    levels = _levels(bits, signed)
     # Blocks as rows throughout: each row's largest magnitude and its codes
     # come from one loop over the row, which stays in cache.
     size = values.shape[0]
@@ -261,7 +259,7 @@ def _quantize(values, codes, scales, key, *, bits, signed, block):
     largest = torch.amax(relative, 1, keepdim=True)
     if not signed:
         largest = largest + 0.0
-    grid = float(levels ** (2 if signed else 4))
+    grid = float(levels**power)
     inverse = grid / torch.where(largest > 0.0, largest, 1.0)
     position = relative * inverse
     index = torch.sqrt(position)

@@ -533,8 +533,8 @@ def store_rounded(stored, working, noise, scratch=None):
 
     # The step's stream may use the compiled kernel's hashed bits; a
     # seed gives the bits `compensated_updates.stochastic_round` draws.
-    compiled = isinstance(noise, random_bits.TorchNoise)
-    if not compiled:
+    from_stream = isinstance(noise, random_bits.TorchNoise)
+    if not from_stream:
         noise = random_bits.TorchNoise(noise, working.device)
     if stored.dtype != torch.bfloat16 or sys.byteorder != "little":
         seed = int(noise.int32(2).sum()) & 0x7FFFFFFF
@@ -542,7 +542,7 @@ def store_rounded(stored, working, noise, scratch=None):
             compensated_updates.stochastic_round(working, stored.dtype, seed)
         )
         return
-    if compiled and stored.is_contiguous() and working.is_contiguous():
+    if from_stream and stored.is_contiguous() and working.is_contiguous():
         if torch_kernels.round_to_bfloat16(stored, working, noise):
             return
     size = working.numel()

@@ -157,6 +157,28 @@ def test_tensorflow_updates_a_large_model_group_by_group(
     assert int(optimizer.iterations.numpy()) == 6
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
+    # The package's LossScaleOptimizer compiles its whole step (the
+    # finiteness check decides for every weight): the wrapped
+    # LowPrecisionOptimizer does not split it, whatever the size.
+    import keras_dtype_policy as kdp
+
+    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    weight = keras.Variable(np.ones((30, 30), "float32"), dtype="bfloat16")
+    inner = LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), update="kahan", state_dtype="8bit"
+    )
+    optimizer = kdp.LossScaleOptimizer(inner)
+    grad = keras.ops.full((30, 30), 2.0**15, "bfloat16")  # scaled by 2**15
+    for _ in range(2):
+        optimizer.apply([grad], [weight])
+    assert "_compiled_groups" not in inner.__dict__
+    assert int(inner.iterations.numpy()) == 2
+    # Adam's first steps move each weight by about the learning rate.
+    np.testing.assert_allclose(as_float32(weight), 1.0 - 2e-2, atol=2e-3)
+
+
 # Quantized state: weights of several pieces (GROUP_ELEMENTS made small)
 # whose last block is padded (67 * 73 is no multiple of 256 or 128).
 QUANTIZED_SHAPES = [(67, 73), (64, 128), (9,)]
