@@ -109,6 +109,9 @@ def grouped_apply(optimizer, grads, trainable_variables):
     import tensorflow as tf
 
     inner = optimizer.inner_optimizer
+    # Dense, as the one computation of `compiled_apply` makes them (an
+    # embedding's gradient is a `tf.IndexedSlices`).
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     with keras.name_scope(inner.name, caller=inner):
         grads, variables, learning_rate = optimizer._prepare_step(
             grads, list(trainable_variables)

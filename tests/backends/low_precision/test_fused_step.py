@@ -158,6 +158,43 @@ def test_tensorflow_updates_a_large_model_group_by_group(
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
+    # An embedding's gradient is a tf.IndexedSlices; clipped and divided
+    # by a fixed loss scale before the groups, as in one computation.
+    import tensorflow as tf
+
+    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    results = []
+    for grouped in (False, True):
+        if grouped:
+            monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+        else:
+            monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 10**9)
+        table = keras.Variable(np.ones((40, 8), "float32"), dtype="bfloat16")
+        bias = keras.Variable(np.zeros((8,), "float32"))
+        optimizer = LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-2, clipnorm=1.0, loss_scale_factor=4.0),
+            update="nearest",
+            state_dtype="8bit",
+        )
+        sparse = tf.IndexedSlices(
+            tf.ones((3, 8), "bfloat16") * 4.0,
+            tf.constant([1, 5, 7]),
+            tf.constant([40, 8]),
+        )
+        for _ in range(2):
+            optimizer.apply([sparse, tf.ones((8,)) * 4.0], [table, bias])
+        assert ("_compiled_groups" in optimizer.__dict__) == grouped
+        results.append([as_float32(table), as_float32(bias)])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+    table = results[1][0]
+    # Only the looked-up rows moved, by about the learning rate a step.
+    assert np.all(table[[0, 2, 39]] == 1.0)
+    np.testing.assert_allclose(table[[1, 5, 7]], 1.0 - 2e-2, atol=4e-3)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
     # The package's LossScaleOptimizer compiles its whole step (the
     # finiteness check decides for every weight): the wrapped
