@@ -37,6 +37,7 @@ import numpy as np
 
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import random_bits
+from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_codes
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
@@ -156,7 +157,7 @@ def _update_pieces(wrapper, group, learning_rate, noise):
     (or one kernel) for the whole group, never one a tensor."""
     import torch
 
-    arena = _Arena(wrapper, group)
+    arena = torch_arena.Arena(wrapper, group)
     widened = ([], [])  # (float32 copies, what they copy), one batched copy
     compensated = ([], [])  # (working weights, their compensations)
     swapped, views, grads = [], [], []
@@ -167,10 +168,12 @@ def _update_pieces(wrapper, group, learning_rate, noise):
             if weight.dtype == torch.float32:
                 working = weight
             else:
-                working = arena.take(_weight_role(wrapper, view), piece.size)
+                working = arena.take(
+                    torch_arena.weight_role(wrapper, view), piece.size
+                )
                 _pair(widened, working, weight)
                 if view.compensation is not None:
-                    compensation = arena.take(_OTHER, piece.size)
+                    compensation = arena.take(torch_arena.OTHER, piece.size)
                     stored = piece.flat(view.compensation._value)
                     _pair(widened, compensation, stored)
                     _pair(compensated, working, compensation)
@@ -180,7 +183,7 @@ def _update_pieces(wrapper, group, learning_rate, noise):
             views.append(view)
             grad = piece.flat(piece.grad)
             if grad.dtype != torch.float32:
-                copy = arena.take(_OTHER, piece.size)
+                copy = arena.take(torch_arena.OTHER, piece.size)
                 _pair(widened, copy, grad)
                 grad = copy
             grads.append(grad)
@@ -191,7 +194,7 @@ def _update_pieces(wrapper, group, learning_rate, noise):
                 stored = slot._value
                 flat = piece.flat(stored)
                 if flat.dtype != torch.float32:
-                    role = _OTHER if wrapper.update == "nearest" else _ROUNDED
+                    role = torch_arena.slot_role(wrapper)
                     slot._value = arena.take(role, piece.size)
                     _pair(widened, slot._value, flat)
                     arena.stored[id(slot._value)] = flat
@@ -228,111 +231,9 @@ def _update_pieces(wrapper, group, learning_rate, noise):
             slot._value = stored
 
 
-# The arena's regions: values stored back rounded stochastically (one
-# region, rounded in one pass), and the rest; each code has its own.
-_ROUNDED = "rounded"
-_OTHER = "other"
-
-
 def _pair(pairs, destination, source):
     pairs[0].append(destination)
     pairs[1].append(source)
-
-
-def _weight_role(wrapper, view):
-    """The region of a weight's float32 working copy."""
-    if view.compensation is None and wrapper.update == "stochastic_rounding":
-        return _ROUNDED
-    return _OTHER
-
-
-class _Arena:
-    """The float32 working space of one group, reused from step to step.
-
-    Fresh tensors would cost a page fault every 4 KiB on every step; this
-    space is allocated once (and grown if a group needs more), never more
-    than a few float32 copies of `GROUP_ELEMENTS` elements. It is split in
-    regions: the values that are stored back rounded stochastically, side
-    by side, so that one pass rounds them all; each code's working values
-    (whole blocks), so that one pass quantizes them; the rest; then
-    scratch and staging space.
-    """
-
-    def __init__(self, wrapper, group):
-        import torch
-
-        sizes = {_ROUNDED: 0}
-        for piece in group:
-            for role, size in _needs(wrapper, piece):
-                sizes[role] = sizes.get(role, 0) + size
-        sizes.setdefault(_OTHER, 0)
-        coded = [sizes[r] for r in sizes if r not in (_ROUNDED, _OTHER)]
-        largest_code = max(coded, default=0)
-        largest = max(piece.size for piece in group)
-        self.regions, start = {}, 0
-        for role, size in sizes.items():
-            self.regions[role] = (start, start + size)
-            start += size
-        summing = max(largest, sizes[_ROUNDED])
-        scratch = torch_codes.SCRATCH_TENSORS if largest_code else 0
-        # bfloat16 staging of the rounded region, int8 codes and scales
-        # staging of the largest code region (4 codes a float32 at most).
-        staging = -(-sizes[_ROUNDED] // 2) + 2 * largest_code
-        total = start + summing + scratch * largest_code + staging
-        space = getattr(wrapper._targets, "arena", None)
-        device = group[0].view.weight._value.device
-        if space is None or space.numel() < total or space.device != device:
-            space = torch.empty(total, device=device)
-            wrapper._targets.arena = space
-        self.space = space
-        self.sum_space = space[start : start + summing]
-        start += summing
-        self.code_space = [
-            space[start + i * largest_code : start + (i + 1) * largest_code]
-            for i in range(scratch)
-        ]
-        start += scratch * largest_code
-        self.staging = space[start:total]
-        self.used = {role: first for role, (first, _) in self.regions.items()}
-        # The stored tensor of each working copy (by id), and the slots of
-        # each code: what the ends of the step write back.
-        self.stored = {}
-        self.coded = {}
-        self.rounded = []
-
-    def take(self, role, size):
-        """Returns the next `size` elements of region `role`."""
-        first = self.used[role]
-        self.used[role] += size
-        taken = self.space[first : first + size]
-        if role == _ROUNDED:
-            self.rounded.append(taken)
-        return taken
-
-    def region(self, role):
-        first, stop = self.regions[role]
-        return self.space[first:stop]
-
-
-def _needs(wrapper, piece):
-    """`(region, elements)` of each float32 copy a piece needs: its
-    weight, compensation and gradient, and each slot (a quantized one in
-    whole blocks, in its code's region)."""
-    import torch
-
-    view = piece.view
-    if view.weight._value.dtype != torch.float32:
-        yield _weight_role(wrapper, view), piece.size
-        if view.compensation is not None:
-            yield _OTHER, piece.size
-    if piece.grad.dtype != torch.float32:
-        yield _OTHER, piece.size
-    for slot in piece.slots:
-        if isinstance(slot, QuantizedSlot):
-            yield slot.code, _padded(piece, slot)
-        elif slot._value.dtype != torch.float32:
-            role = _OTHER if wrapper.update == "nearest" else _ROUNDED
-            yield role, piece.size
 
 
 def _store_rounded_region(arena, noise):
@@ -352,7 +253,7 @@ def _store_rounded_region(arena, noise):
         for target, working in zip(stored, workings, strict=True):
             store_rounded(target, working, noise, arena.sum_space)
         return
-    region = arena.region(_ROUNDED)
+    region = arena.region(torch_arena.ROUNDED)
     staged = arena.staging.view(torch.bfloat16)[: region.numel()]
     store_rounded(staged, region, noise, arena.sum_space)
     pieces, start = [], 0
@@ -362,35 +263,6 @@ def _store_rounded_region(arena, noise):
     torch._foreach_copy_(stored, pieces)
 
 
-def _blocks(piece, slot):
-    """The blocks of `slot` that `piece` covers: `(first, stop)`."""
-    block = slot.code.block
-    return piece.start // block, -(-piece.stop // block)
-
-
-def _coded_pieces(entries):
-    """Each entry's codes, scales and `(offset, elements)` in its code's
-    region."""
-    offset = 0
-    for piece, slot in entries:
-        first, stop = _blocks(piece, slot)
-        padded = (stop - first) * slot.code.block
-        codes = slot.codes._value[first:stop]
-        scales = slot.scales._value[first:stop]
-        yield codes, scales, offset, padded
-        offset += padded
-
-
-def _staged_codes(code, blocks, arena):
-    """Staging space for the int8 codes and the scales of `blocks`."""
-    import torch
-
-    codes = arena.staging.view(torch.int8)[: blocks * code.bytes_per_block]
-    start = -(-codes.numel() // 4)
-    scales = arena.staging[start : start + blocks]
-    return codes.view(blocks, code.bytes_per_block), scales
-
-
 def _read_codes(code, entries, arena):
     """Dequantizes every slot piece of `code` in the group at once into
     the code's region; each slot reads its piece of it as its value until
@@ -398,12 +270,12 @@ def _read_codes(code, entries, arena):
     import torch
 
     region = arena.region(code)
-    listed = list(_coded_pieces(entries))
+    listed = list(torch_arena.coded_pieces(entries))
     if len(listed) == 1:
         codes, scales = listed[0][:2]
     else:
         blocks = region.numel() // code.block
-        codes, scales = _staged_codes(code, blocks, arena)
+        codes, scales = torch_arena.staged_codes(code, blocks, arena)
         torch.cat([item[0] for item in listed], out=codes)
         torch.cat([item[1] for item in listed], out=scales)
     torch_codes.dequantize(region, codes, scales, code, arena.code_space[0])
@@ -416,7 +288,7 @@ def _write_codes(code, entries, arena, noise):
     import torch
 
     region = arena.region(code)
-    listed = list(_coded_pieces(entries))
+    listed = list(torch_arena.coded_pieces(entries))
     for (piece, _), (_, _, offset, padded) in zip(entries, listed, strict=True):
         # The padding of a weight's last block is stored as zeros.
         region[offset + piece.size : offset + padded].zero_()
@@ -427,7 +299,7 @@ def _write_codes(code, entries, arena, noise):
         )
         return
     blocks = region.numel() // code.block
-    codes, scales = _staged_codes(code, blocks, arena)
+    codes, scales = torch_arena.staged_codes(code, blocks, arena)
     torch_codes.quantize(region, codes, scales, code, arena.code_space, noise)
     targets, sources, block = [], [], 0
     for item in listed:
@@ -436,12 +308,6 @@ def _write_codes(code, entries, arena, noise):
         sources += [codes[block : block + count], scales[block : block + count]]
         block += count
     torch._foreach_copy_(targets, sources)
-
-
-def _padded(piece, slot):
-    """Elements of `piece`'s blocks of `slot`."""
-    first, stop = _blocks(piece, slot)
-    return (stop - first) * slot.code.block
 
 
 def _has_fused_adam(inner):
@@ -496,7 +362,10 @@ def _write_weight(wrapper, piece, arena, narrowed):
     view = piece.view
     working = view.working
     stored = arena.stored.get(id(working))
-    if stored is None or _weight_role(wrapper, view) == _ROUNDED:
+    if (
+        stored is None
+        or torch_arena.weight_role(wrapper, view) == torch_arena.ROUNDED
+    ):
         return
     if view.compensation is not None:
         # Rounded to nearest; the compensation keeps what it took off.
