@@ -64,7 +64,7 @@ def dequantize(out, codes, scales, code):
         True if done; False where the caller must run the eager
         operations instead.
     """
-    kernel = _kernel(_dequantize, None, **_constants(code))
+    kernel = _kernel(_dequantize, None, **constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
     return _run(kernel, (out, codes, scales))
@@ -82,7 +82,7 @@ def quantize(values, codes, scales, code, noise=None):
         again by `block_codes`' own path).
     """
     stochastic = noise is not None
-    kernel = _kernel(_quantize, stochastic, **_constants(code))
+    kernel = _kernel(_quantize, stochastic, **constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
     key = None
@@ -118,7 +118,7 @@ def round_to_bfloat16(stored, working, noise):
     return _run(kernel, pieces, noise.int32(2))
 
 
-def _constants(code):
+def constants(code):
     """The code's settings, constants of its kernels."""
     return {
         "bits": code.bits,
@@ -149,6 +149,19 @@ def _run(kernel, pieces, *rest):
         )
         return False
     return True
+
+
+def compiled(body, variant, **constants):
+    """`body` compiled for `variant` and `constants`, or None where eager
+    operations run (`KDP_TORCH_COMPILE=0`, a failed compile, inside a
+    step torch itself compiles)."""
+    return _kernel(body, variant, **constants)
+
+
+def run(kernel, pieces, *rest):
+    """Calls `compiled`'s kernel; False (and eager from now on, with a
+    warning) if it cannot compile."""
+    return _run(kernel, pieces, *rest)
 
 
 def _kernel(body, stochastic, **constants):
@@ -184,11 +197,10 @@ def _kernel(body, stochastic, **constants):
     return _compiled[key]
 
 
-def _hashed_bits(size, key, device):
-    """16 random bits an element, as int32 values in `[0, 2**16)`: the
-    `lowbias32` hash of each element's index with the key
-    (`random_bits.hashed_noise`, computed inside the kernel instead of
-    read from memory).
+def hashed_words(size, key, device):
+    """The `lowbias32` hash of each element's index with the key
+    (`random_bits.mix`, computed inside a kernel instead of read from
+    memory): int32 values whose high 16 bits are well mixed.
 
     Args:
         size: How many values.
@@ -202,8 +214,13 @@ def _hashed_bits(size, key, device):
     hashed = hashed ^ ((hashed >> 16) & 0xFFFF)
     hashed = hashed * random_bits.MULTIPLY_1
     hashed = hashed ^ ((hashed >> 15) & 0x1FFFF)
-    hashed = hashed * random_bits.MULTIPLY_2
-    return (hashed >> 16) & 0xFFFF
+    return hashed * random_bits.MULTIPLY_2
+
+
+def _hashed_bits(size, key, device):
+    """16 random bits an element, as int32 values in `[0, 2**16)`: the
+    high half of `hashed_words` (`random_bits.hashed_noise`)."""
+    return (hashed_words(size, key, device) >> 16) & 0xFFFF
 
 
 def _hashed_uniform(size, key, device):
@@ -214,8 +231,14 @@ def _hashed_uniform(size, key, device):
     return (bits.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
-def _dequantize(out, codes, scales, *, bits, signed, block, levels, power):
+def _dequantize(out, codes, scales, **constants):
     """The body of the dequantize kernel (`torch_codes.dequantize`)."""
+    out.copy_(dequantized(codes, scales, **constants).view(-1))
+
+
+def dequantized(codes, scales, *, bits, signed, block, levels, power):
+    """The float32 values `(codes, scales)` stand for, one row a block;
+    torch operations for a kernel's body (`torch_codes.dequantize`)."""
     import torch
 
     codes = codes.reshape(-1)
@@ -238,20 +261,30 @@ def _dequantize(out, codes, scales, *, bits, signed, block, levels, power):
         level = level * level
     grid = float(levels**power)
     step = (scales / grid)[:, None]
-    result = (level.view(-1, block) * step).view(-1)
-    out.copy_(result)
+    return level.view(-1, block) * step
 
 
-def _quantize(
-    values, codes, scales, key, *, bits, signed, block, levels, power
-):
+def _quantize(values, codes, scales, key, **constants):
     """The body of the quantize kernel (`torch_codes.quantize`)."""
+    size = values.shape[0]
+    rows = values.view(-1, constants["block"])
+    uniform = None
+    if key is not None:
+        uniform = _hashed_uniform(size, key, values.device).view(rows.shape)
+    coded, largest = quantized(rows, uniform, **constants)
+    codes.copy_(coded.view(codes.shape))
+    scales.copy_(largest)
+
+
+def quantized(values, uniform, *, bits, signed, block, levels, power):
+    """`(int8 codes, scales)` of `values`, one row a block, rounded to
+    nearest (`uniform` None) or stochastically with `uniform` values in
+    (0, 1) of `values`' shape; torch operations for a kernel's body
+    (`torch_codes.quantize`)."""
     import torch
 
     # Blocks as rows throughout: each row's largest magnitude and its codes
     # come from one loop over the row, which stays in cache.
-    size = values.shape[0]
-    values = values.view(-1, block)
     if signed:
         relative = torch.abs(values)
     else:
@@ -273,11 +306,10 @@ def _quantize(
         index = torch.clamp(index, 0.0, levels - 2.0)
         level = _fourth_power(index + 1.0)
         gap = _fourth_power(index + 2.0) - level
-    if key is None:
+    if uniform is None:
         threshold = gap * 0.5
     else:
-        uniform = _hashed_uniform(size, key, values.device)
-        threshold = gap * uniform.view(-1, block)
+        threshold = gap * uniform
     index = index + ((position - level) >= threshold).to(torch.float32)
     if signed:
         index = torch.copysign(index, values)
@@ -291,8 +323,7 @@ def _quantize(
         coded = index
     else:
         coded = index - 128.0
-    codes.copy_(coded.to(torch.int8).view(codes.shape))
-    scales.copy_(largest.view(-1))
+    return coded.to(torch.int8), largest.view(-1)
 
 
 def _round_to_bfloat16(stored, working, key):

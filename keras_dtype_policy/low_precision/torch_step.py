@@ -38,6 +38,7 @@ import numpy as np
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import random_bits
 from keras_dtype_policy.low_precision import torch_arena
+from keras_dtype_policy.low_precision import torch_coded_adam
 from keras_dtype_policy.low_precision import torch_codes
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
@@ -107,6 +108,9 @@ def batched_apply(wrapper, grads, variables, learning_rate):
     if wrapper.seed_generator is not None and wrapper.update != "nearest":
         # One key a step; every rounding of the step draws from it in turn.
         noise = random_bits.TorchNoise(wrapper.seed_generator)
+    pieces = torch_coded_adam.apply(
+        wrapper, pieces, learning_rate, noise, GROUP_ELEMENTS
+    )
     group, filled = [], 0
     for piece in pieces:
         if group and filled + piece.size > GROUP_ELEMENTS:

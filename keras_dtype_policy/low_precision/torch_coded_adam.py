@@ -1,0 +1,289 @@
+"""Keras' Adam on 8-bit state as one compiled torch kernel a group.
+
+The batched torch step (`torch_step`) widens a group's weights and
+moments into float32 working space, runs Adam there and codes the moments
+back: a pass over memory for each end, and one hash of random bits for
+each value rounded. For Keras' `Adam` and `AdamW` (without `amsgrad`)
+whose two moments are 8-bit codes, this module runs a group's whole
+update as one compiled kernel instead (`torch_kernels`): each block of
+256 elements is dequantized, updated, requantized and its weight stored
+while it is in cache, from one pair of hashes of the element's index.
+
+- The arithmetic is Keras' torch Adam's, in float32: `m = beta_1 * m +
+  (1 - beta_1) * g`, `v = beta_2 * v + (1 - beta_2) * g**2`,
+  `w -= alpha * m / (sqrt(v) + epsilon)` with `alpha = lr * sqrt(1 -
+  beta_2**t) / (1 - beta_1**t)`; weight decay (AdamW's, or Adam's own
+  `weight_decay`) first, as Keras applies it, for the weights it applies
+  to.
+- The codes and scales are `block_codes`' (the same map, scale and
+  stochastic rounding with 16 random bits); a bfloat16 weight is rounded
+  stochastically with 16 more, a float32 weight stored as it is.
+- The weights, gradients, codes and scales of a group are staged
+  side by side in whole blocks (the padding zeros), so the kernel works
+  on copies: a group whose step makes an infinity or a NaN writes
+  nothing and goes through `torch_step`'s general path, which stores such
+  values as `block_codes` does.
+
+Everything else takes the general path: float16 weights, Kahan
+compensation, `update="nearest"`, 4-bit state, other optimizers, and
+every step where the kernels do not compile (`KDP_TORCH_COMPILE=0`, no
+C++ compiler).
+
+torch is imported inside functions, only once Keras runs on it.
+"""
+
+from keras_dtype_policy.low_precision import block_codes
+from keras_dtype_policy.low_precision import random_bits
+from keras_dtype_policy.low_precision import torch_arena
+from keras_dtype_policy.low_precision import torch_kernels
+from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
+
+SIGNED = block_codes.code_for(8, True)
+UNSIGNED = block_codes.code_for(8, False)
+_ADAMS = ("Adam", "AdamW")
+# A group's staged blocks are a multiple of this, so that a few fixed
+# sizes (each compiled once, with static shapes) cover every group.
+ROWS = 512
+
+
+def moments(wrapper, piece):
+    """Returns a piece's `(m, v)` quantized slots where this module can
+    update it, else None."""
+    import torch
+
+    inner = wrapper.inner_optimizer
+    view = piece.view
+    if type(inner).__name__ not in _ADAMS or inner.amsgrad:
+        return None
+    if wrapper.update != "stochastic_rounding" or view.compensation:
+        return None
+    weight = view.weight._value
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if piece.grad.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    index = inner._get_variable_index(view)
+    pair = (inner._momentums[index], inner._velocities[index])
+    codes = [getattr(slot, "code", None) for slot in pair]
+    if codes != [SIGNED, UNSIGNED] or len(piece.slots) != 2:
+        return None
+    if not all(isinstance(slot, QuantizedSlot) for slot in pair):
+        return None
+    return pair
+
+
+def apply(wrapper, pieces, learning_rate, noise, limit):
+    """Updates the pieces `moments` accepts, in groups of at most `limit`
+    elements; returns the pieces left to the general path."""
+    if noise is None or not torch_kernels.enabled():
+        return pieces
+    rest, groups, sizes = [], {}, {}
+    for piece in pieces:
+        pair = moments(wrapper, piece)
+        if pair is None:
+            rest.append(piece)
+            continue
+        kind = (piece.view.weight._value.dtype, piece.grad.dtype)
+        group = groups.setdefault(kind, [[]])
+        if group[-1] and sizes[kind] + piece.size > limit:
+            group.append([])
+            sizes[kind] = 0
+        group[-1].append((piece, pair))
+        sizes[kind] = sizes.get(kind, 0) + piece.size
+    if not groups:
+        return rest
+    hyper = _hyperparameters(wrapper.inner_optimizer, learning_rate)
+    for listed in groups.values():
+        for group in listed:
+            if not _update_group(wrapper, group, hyper, noise):
+                rest += [piece for piece, _ in group]
+    return rest
+
+
+def _hyperparameters(inner, learning_rate):
+    """The step's float32 constants: `beta_1`, `1 - beta_1`, `beta_2`,
+    `1 - beta_2`, `alpha`, `epsilon` and the weight decay rate."""
+    import torch
+
+    step = float(inner.iterations.numpy()) + 1.0
+    rate = float(learning_rate)
+    beta_1, beta_2 = float(inner.beta_1), float(inner.beta_2)
+    alpha = rate * (1.0 - beta_2**step) ** 0.5 / (1.0 - beta_1**step)
+    decay = float(inner.weight_decay or 0.0) * rate
+    values = (beta_1, 1.0 - beta_1, beta_2, 1.0 - beta_2, alpha)
+    values += (float(inner.epsilon), decay)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _update_group(wrapper, group, hyper, noise):
+    """Runs the kernel on one group; False (nothing written) where the
+    kernel is not available or the step is not finite."""
+    import torch
+
+    inner = wrapper.inner_optimizer
+    weight_dtype = group[0][0].view.weight._value.dtype
+    total = sum(torch_arena.padded(p, m) for p, (m, _) in group)
+    blocks = -(-total // (ROWS * SIGNED.block)) * ROWS
+    kernel = torch_kernels.compiled(
+        _adam_body,
+        "adam",
+        rounded=weight_dtype == torch.bfloat16,
+        rows=blocks,
+    )
+    if kernel is None:
+        return False
+    space = _Staging(wrapper, group, blocks)
+    gathered, tails, decays, offset = ([], []), [], [], 0
+    listed = {"m_codes": [], "m_scales": [], "v_codes": [], "v_scales": []}
+    for piece, (m, v) in group:
+        size, padded = piece.size, torch_arena.padded(piece, m)
+        for staged, source in (
+            (space.weight, piece.view.weight._value),
+            (space.grad, piece.grad),
+        ):
+            gathered[0].append(staged[offset : offset + size])
+            gathered[1].append(piece.flat(source))
+            if padded > size:
+                tails.append(staged[offset + size : offset + padded])
+        first, stop = torch_arena.blocks_of(piece, m)
+        for name, slot in (("m", m), ("v", v)):
+            listed[f"{name}_codes"].append(slot.codes._value[first:stop])
+            listed[f"{name}_scales"].append(slot.scales._value[first:stop])
+        decays.append(1.0 if inner._use_weight_decay(piece.view) else 0.0)
+        offset += padded
+    used = total // SIGNED.block
+    if used < blocks:
+        # The rows after the group's: zeros, never written back.
+        tails += [space.weight[total:], space.grad[total:]]
+        tails += [getattr(space, name)[used:] for name in listed]
+    torch._foreach_copy_(*gathered)
+    if tails:
+        torch._foreach_zero_(tails)
+    for name, pieces in listed.items():
+        torch.cat(pieces, out=getattr(space, name)[:used])
+    rate = float(hyper[6])
+    if len(set(decays)) == 1:
+        space.decay.fill_(rate * decays[0])
+    else:
+        row = 0
+        for (piece, (m, _)), flag in zip(group, decays, strict=True):
+            count = torch_arena.padded(piece, m) // SIGNED.block
+            space.decay[row : row + count].fill_(rate * flag)
+            row += count
+        space.decay[row:].zero_()
+    arguments = (
+        space.weight,
+        space.grad,
+        space.m_codes,
+        space.m_scales,
+        space.v_codes,
+        space.v_scales,
+    )
+    key = noise.int32(2)
+    if not torch_kernels.run(kernel, arguments, hyper, space.decay, key):
+        return False
+    finite = torch.isfinite(space.m_scales).all()
+    if not bool(finite & torch.isfinite(space.v_scales).all()):
+        return False
+    torch._foreach_copy_(gathered[1][0::2], gathered[0][0::2])
+    targets, sources, block = [], [], 0
+    for name in listed:
+        block = 0
+        for piece in listed[name]:
+            count = piece.shape[0]
+            targets.append(piece)
+            sources.append(getattr(space, name)[block : block + count])
+            block += count
+    torch._foreach_copy_(targets, sources)
+    return True
+
+
+class _Staging:
+    """A group's staged weights, gradients, codes and scales, in space of
+    the wrapper's reused from step to step."""
+
+    def __init__(self, wrapper, group, blocks):
+        import torch
+
+        piece = group[0][0]
+        total = blocks * SIGNED.block
+        needs = {
+            "weight": (piece.view.weight._value.dtype, total),
+            "grad": (piece.grad.dtype, total),
+            "m_codes": (torch.int8, blocks * SIGNED.block),
+            "v_codes": (torch.int8, blocks * UNSIGNED.block),
+            "m_scales": (torch.float32, blocks),
+            "v_scales": (torch.float32, blocks),
+            "decay": (torch.float32, blocks),
+        }
+        spaces = getattr(wrapper._targets, "coded_adam_space", None)
+        if spaces is None:
+            spaces = wrapper._targets.coded_adam_space = {}
+        device = piece.view.weight._value.device
+        for name, (dtype, size) in needs.items():
+            held = spaces.get((name, dtype))
+            if held is None or held.numel() < size or held.device != device:
+                held = torch.empty(size, dtype=dtype, device=device)
+                spaces[(name, dtype)] = held
+            value = held[:size]
+            if name.endswith("codes"):
+                value = value.view(blocks, SIGNED.block)
+            setattr(self, name, value)
+
+
+def _adam_body(
+    weight,
+    grad,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    hyper,
+    decay,
+    key,
+    *,
+    rounded,
+    rows,
+):
+    """The body of the kernel: a group's Adam step on 8-bit moments
+    (`rows` blocks, a constant of the kernel: its shapes are static)."""
+    import torch
+
+    signed = torch_kernels.constants(SIGNED)
+    unsigned = torch_kernels.constants(UNSIGNED)
+    block = SIGNED.block
+    m = torch_kernels.dequantized(m_codes, m_scales, **signed)
+    v = torch_kernels.dequantized(v_codes, v_scales, **unsigned)
+    g = grad.view(-1, block).to(torch.float32)
+    w = weight.view(-1, block).to(torch.float32)
+    w = w - w * decay[:, None]
+    m = m * hyper[0] + g * hyper[1]
+    v = v * hyper[2] + (g * g) * hyper[3]
+    w = w - (m * hyper[4]) / (torch.sqrt(v) + hyper[5])
+    # Two hashes of the index give three 16-bit draws: the first's high
+    # half rounds the weight, its low half the second moment; the high
+    # half of a further mix of it rounds the first moment.
+    words = torch_kernels.hashed_words(weight.shape[0], key, weight.device)
+    words = words.view(-1, block)
+    mixed = words ^ ((words >> 15) & 0x1FFFF)
+    mixed = mixed * random_bits.MULTIPLY_1
+    coded, m_largest = torch_kernels.quantized(
+        m, _uniform((mixed >> 16) & 0xFFFF), **signed
+    )
+    m_codes.copy_(coded)
+    m_scales.copy_(m_largest)
+    coded, v_largest = torch_kernels.quantized(
+        v, _uniform(words & 0xFFFF), **unsigned
+    )
+    v_codes.copy_(coded)
+    v_scales.copy_(v_largest)
+    if rounded:
+        bits = w.view(torch.int32) + ((words >> 16) & 0xFFFF)
+        w = (bits & -65536).view(torch.float32)
+    weight.copy_(w.view(-1).to(weight.dtype))
+
+
+def _uniform(bits):
+    import torch
+
+    return (bits.to(torch.float32) + 0.5) * (1.0 / 65536.0)
