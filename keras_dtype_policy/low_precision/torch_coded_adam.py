@@ -1,13 +1,15 @@
-"""Keras' Adam on 8-bit state as one compiled torch kernel a group.
+"""Keras' Adam on 8-bit or 4-bit state as one compiled torch kernel a
+group.
 
 The batched torch step (`torch_step`) widens a group's weights and
 moments into float32 working space, runs Adam there and codes the moments
 back: a pass over memory for each end, and one hash of random bits for
 each value rounded. For Keras' `Adam` and `AdamW` (without `amsgrad`)
-whose two moments are 8-bit codes, this module runs a group's whole
-update as one compiled kernel instead (`torch_kernels`): each block of
-256 elements is dequantized, updated, requantized and its weight stored
-while it is in cache, from one pair of hashes of the element's index.
+whose two moments are 8-bit or 4-bit codes, this module runs a group's
+whole update as one compiled kernel instead (`torch_kernels`): each
+block (256 elements at 8 bits, 128 at 4) is dequantized, updated,
+requantized and its weight stored while it is in cache, from one pair
+of hashes of the element's index.
 
 - The arithmetic is Keras' torch Adam's, in float32: `m = beta_1 * m +
   (1 - beta_1) * g`, `v = beta_2 * v + (1 - beta_2) * g**2`,
@@ -17,15 +19,17 @@ while it is in cache, from one pair of hashes of the element's index.
   to.
 - The codes and scales are `block_codes`' (the same map, scale and
   stochastic rounding with 16 random bits); a bfloat16 weight is rounded
-  stochastically with 16 more, a float32 weight stored as it is.
+  stochastically with 16 more (`update="stochastic_rounding"`), or to
+  nearest with its bfloat16 Kahan compensation keeping the rest
+  (`update="kahan"`); a float32 weight is stored as it is.
 - The weights, gradients, codes and scales of a group are staged
   side by side in whole blocks (the padding zeros), so the kernel works
   on copies: a group whose step makes an infinity or a NaN writes
   nothing and goes through `torch_step`'s general path, which stores such
   values as `block_codes` does.
 
-Everything else takes the general path: float16 weights, Kahan
-compensation, `update="nearest"`, 4-bit state, other optimizers, and
+Everything else takes the general path: float16 weights or
+compensations, `update="nearest"`, other optimizers, and
 every step where the kernels do not compile (`KDP_TORCH_COMPILE=0`, no
 C++ compiler).
 
@@ -38,8 +42,11 @@ from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
-SIGNED = block_codes.code_for(8, True)
-UNSIGNED = block_codes.code_for(8, False)
+# The (first moment, second moment) codes of each state dtype.
+CODES = {
+    bits: (block_codes.code_for(bits, True), block_codes.code_for(bits, False))
+    for bits in (8, 4)
+}
 _ADAMS = ("Adam", "AdamW")
 # A group's staged blocks are a multiple of this, so that a few fixed
 # sizes (each compiled once, with static shapes) cover every group.
@@ -55,21 +62,40 @@ def moments(wrapper, piece):
     view = piece.view
     if type(inner).__name__ not in _ADAMS or inner.amsgrad:
         return None
-    if wrapper.update != "stochastic_rounding" or view.compensation:
+    if wrapper.update not in ("stochastic_rounding", "kahan"):
         return None
     weight = view.weight._value
     if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if _store(wrapper, view) is None:
         return None
     if piece.grad.dtype not in (torch.float32, torch.bfloat16):
         return None
     index = inner._get_variable_index(view)
     pair = (inner._momentums[index], inner._velocities[index])
     codes = [getattr(slot, "code", None) for slot in pair]
-    if codes != [SIGNED, UNSIGNED] or len(piece.slots) != 2:
+    if tuple(codes) not in CODES.values() or len(piece.slots) != 2:
         return None
     if not all(isinstance(slot, QuantizedSlot) for slot in pair):
         return None
     return pair
+
+
+def _store(wrapper, view):
+    """How a weight is stored back: `"stochastic"` (bfloat16, rounded
+    stochastically), `"kahan"` (bfloat16 with a bfloat16 compensation),
+    `"float32"`; None for what this module leaves to the general path."""
+    import torch
+
+    weight = view.weight._value.dtype
+    compensation = view.compensation
+    if weight == torch.float32:
+        return "float32" if compensation is None else None
+    if wrapper.update == "stochastic_rounding" and compensation is None:
+        return "stochastic"
+    if compensation is not None and compensation.dtype == "bfloat16":
+        return "kahan"
+    return None
 
 
 def apply(wrapper, pieces, learning_rate, noise, limit):
@@ -83,7 +109,13 @@ def apply(wrapper, pieces, learning_rate, noise, limit):
         if pair is None:
             rest.append(piece)
             continue
-        kind = (piece.view.weight._value.dtype, piece.grad.dtype)
+        store = _store(wrapper, piece.view)
+        kind = (
+            piece.view.weight._value.dtype,
+            piece.grad.dtype,
+            store,
+            pair[0].code.bits,
+        )
         group = groups.setdefault(kind, [[]])
         if group[-1] and sizes[kind] + piece.size > limit:
             group.append([])
@@ -121,26 +153,33 @@ def _update_group(wrapper, group, hyper, noise):
     import torch
 
     inner = wrapper.inner_optimizer
-    weight_dtype = group[0][0].view.weight._value.dtype
+    view = group[0][0].view
     total = sum(torch_arena.padded(p, m) for p, (m, _) in group)
-    blocks = -(-total // (ROWS * SIGNED.block)) * ROWS
+    signed, unsigned = CODES[group[0][1][0].code.bits]
+    blocks = -(-total // (ROWS * signed.block)) * ROWS
     kernel = torch_kernels.compiled(
         _adam_body,
         "adam",
-        rounded=weight_dtype == torch.bfloat16,
+        store=_store(wrapper, view),
         rows=blocks,
+        bits=signed.bits,
     )
     if kernel is None:
         return False
-    space = _Staging(wrapper, group, blocks)
+    space = _Staging(wrapper, group, blocks, signed)
     gathered, tails, decays, offset = ([], []), [], [], 0
     listed = {"m_codes": [], "m_scales": [], "v_codes": [], "v_scales": []}
     for piece, (m, v) in group:
         size, padded = piece.size, torch_arena.padded(piece, m)
-        for staged, source in (
+        staged_pairs = [
             (space.weight, piece.view.weight._value),
             (space.grad, piece.grad),
-        ):
+        ]
+        if space.compensation is not None:
+            staged_pairs.append(
+                (space.compensation, piece.view.compensation._value)
+            )
+        for staged, source in staged_pairs:
             gathered[0].append(staged[offset : offset + size])
             gathered[1].append(piece.flat(source))
             if padded > size:
@@ -151,10 +190,12 @@ def _update_group(wrapper, group, hyper, noise):
             listed[f"{name}_scales"].append(slot.scales._value[first:stop])
         decays.append(1.0 if inner._use_weight_decay(piece.view) else 0.0)
         offset += padded
-    used = total // SIGNED.block
+    used = total // signed.block
     if used < blocks:
         # The rows after the group's: zeros, never written back.
         tails += [space.weight[total:], space.grad[total:]]
+        if space.compensation is not None:
+            tails.append(space.compensation[total:])
         tails += [getattr(space, name)[used:] for name in listed]
     torch._foreach_copy_(*gathered)
     if tails:
@@ -167,12 +208,13 @@ def _update_group(wrapper, group, hyper, noise):
     else:
         row = 0
         for (piece, (m, _)), flag in zip(group, decays, strict=True):
-            count = torch_arena.padded(piece, m) // SIGNED.block
+            count = torch_arena.padded(piece, m) // signed.block
             space.decay[row : row + count].fill_(rate * flag)
             row += count
         space.decay[row:].zero_()
     arguments = (
         space.weight,
+        space.compensation if space.compensation is not None else space.none,
         space.grad,
         space.m_codes,
         space.m_scales,
@@ -185,7 +227,12 @@ def _update_group(wrapper, group, hyper, noise):
     finite = torch.isfinite(space.m_scales).all()
     if not bool(finite & torch.isfinite(space.v_scales).all()):
         return False
-    torch._foreach_copy_(gathered[1][0::2], gathered[0][0::2])
+    # Written back: the weights and compensations, not the gradients.
+    stride = len(staged_pairs)
+    written = [i for i in range(len(gathered[0])) if i % stride != 1]
+    torch._foreach_copy_(
+        [gathered[1][i] for i in written], [gathered[0][i] for i in written]
+    )
     targets, sources, block = [], [], 0
     for name in listed:
         block = 0
@@ -202,20 +249,29 @@ class _Staging:
     """A group's staged weights, gradients, codes and scales, in space of
     the wrapper's reused from step to step."""
 
-    def __init__(self, wrapper, group, blocks):
+    def __init__(self, wrapper, group, blocks, code):
         import torch
 
         piece = group[0][0]
-        total = blocks * SIGNED.block
+        total = blocks * code.block
+        width = code.bytes_per_block
         needs = {
             "weight": (piece.view.weight._value.dtype, total),
             "grad": (piece.grad.dtype, total),
-            "m_codes": (torch.int8, blocks * SIGNED.block),
-            "v_codes": (torch.int8, blocks * UNSIGNED.block),
+            "m_codes": (torch.int8, blocks * width),
+            "v_codes": (torch.int8, blocks * width),
             "m_scales": (torch.float32, blocks),
             "v_scales": (torch.float32, blocks),
             "decay": (torch.float32, blocks),
         }
+        self.none = torch.empty(0, device=piece.view.weight._value.device)
+        if piece.view.compensation is not None:
+            needs["compensation"] = (
+                piece.view.compensation._value.dtype,
+                total,
+            )
+        else:
+            self.compensation = None
         spaces = getattr(wrapper._targets, "coded_adam_space", None)
         if spaces is None:
             spaces = wrapper._targets.coded_adam_space = {}
@@ -227,12 +283,13 @@ class _Staging:
                 spaces[(name, dtype)] = held
             value = held[:size]
             if name.endswith("codes"):
-                value = value.view(blocks, SIGNED.block)
+                value = value.view(blocks, width)
             setattr(self, name, value)
 
 
 def _adam_body(
     weight,
+    compensation,
     grad,
     m_codes,
     m_scales,
@@ -242,20 +299,22 @@ def _adam_body(
     decay,
     key,
     *,
-    rounded,
+    store,
     rows,
+    bits,
 ):
-    """The body of the kernel: a group's Adam step on 8-bit moments
+    """The body of the kernel: a group's Adam step on `bits`-bit moments
     (`rows` blocks, a constant of the kernel: its shapes are static)."""
     import torch
 
-    signed = torch_kernels.constants(SIGNED)
-    unsigned = torch_kernels.constants(UNSIGNED)
-    block = SIGNED.block
+    signed, unsigned = (torch_kernels.constants(c) for c in CODES[bits])
+    block = signed["block"]
     m = torch_kernels.dequantized(m_codes, m_scales, **signed)
     v = torch_kernels.dequantized(v_codes, v_scales, **unsigned)
     g = grad.view(-1, block).to(torch.float32)
     w = weight.view(-1, block).to(torch.float32)
+    if store == "kahan":
+        w = w + compensation.view(-1, block).to(torch.float32)
     w = w - w * decay[:, None]
     m = m * hyper[0] + g * hyper[1]
     v = v * hyper[2] + (g * g) * hyper[3]
@@ -277,10 +336,24 @@ def _adam_body(
     )
     v_codes.copy_(coded)
     v_scales.copy_(v_largest)
-    if rounded:
-        bits = w.view(torch.int32) + ((words >> 16) & 0xFFFF)
-        w = (bits & -65536).view(torch.float32)
-    weight.copy_(w.view(-1).to(weight.dtype))
+    if store == "float32":
+        weight.copy_(w.view(-1))
+        return
+    # The bfloat16 value as float32 bits, rounded in integers (inductor
+    # may drop a float32 -> bfloat16 -> float32 round trip): half a unit
+    # and 16 random bits (stochastic rounding), or half a unit less one
+    # plus the kept bit (to nearest, ties to even); the low half cleared.
+    bits = w.view(torch.int32)
+    if store == "stochastic":
+        bits = bits + ((words >> 16) & 0xFFFF)
+    else:
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    rounded = (bits & -65536).view(torch.float32)
+    weight.copy_(rounded.view(-1).to(weight.dtype))
+    if store == "kahan":
+        # The compensation keeps what rounding took off.
+        left = w - rounded
+        compensation.copy_(left.view(-1).to(compensation.dtype))
 
 
 def _uniform(bits):

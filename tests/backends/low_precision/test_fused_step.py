@@ -345,8 +345,8 @@ def test_torch_runs_each_end_of_a_group_as_one_operation(update, monkeypatch):
     # code's slots with one dequantize, writes them with one quantize, and
     # rounds every bfloat16 weight in one pass (a kernel call costs tens of
     # microseconds of torch.compile's guards, so one a tensor adds up).
-    from keras_dtype_policy.low_precision import torch_codes
     from keras_dtype_policy.low_precision import torch_coded_adam
+    from keras_dtype_policy.low_precision import torch_codes
 
     # The general path's ends: where the kernels compile, Adam on 8-bit
     # moments is one kernel of its own (test_torch_coded_adam.py).
