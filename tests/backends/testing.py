@@ -5,8 +5,10 @@ import io
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import keras
@@ -206,11 +208,69 @@ def run_cli(*args, cwd=None, env=None, timeout=240):
     )
 
 
+def call_cli(*args, cwd=None, env=None):
+    """Runs the command line in this process, as `run_cli` runs it in a
+    subprocess; returns a `subprocess.CompletedProcess` of what it printed.
+
+    What a run may change is put back afterwards: the working directory,
+    the environment, `sys.argv` and `sys.path`, the modules `--import`
+    loaded, Keras' registered custom objects and global policy, warnings
+    filters and the random generators' states.
+    """
+    from keras_dtype_policy.tools import cli
+
+    argv = [str(arg) for arg in args]
+    imported = [
+        pathlib.Path(name).stem if name.endswith(".py") else name
+        for flag, name in zip(argv, argv[1:], strict=False)
+        if flag == "--import"
+    ]
+    out, err = io.StringIO(), io.StringIO()
+    saved_environment, saved_cwd = dict(os.environ), os.getcwd()
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    saved_modules = set(sys.modules)
+    custom_objects = keras.saving.get_custom_objects()
+    saved_custom_objects = dict(custom_objects)
+    saved_policy = keras.config.dtype_policy()
+    saved_random = random.getstate(), np.random.get_state()
+    os.environ.update(env or {})
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        sys.argv = ["keras-dtype-policy", *argv]
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                status = cli.main(argv)
+            except SystemExit as exit_:  # --help, --version
+                status = exit_.code or 0
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environment)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        for name in set(sys.modules) - saved_modules:
+            if name.split(".")[0] in imported:
+                del sys.modules[name]
+        custom_objects.clear()
+        custom_objects.update(saved_custom_objects)
+        keras.config.set_dtype_policy(saved_policy)
+        random.setstate(saved_random[0])
+        np.random.set_state(saved_random[1])
+    return subprocess.CompletedProcess(
+        ["keras-dtype-policy", *argv], status, out.getvalue(), err.getvalue()
+    )
+
+
 def cli_error_line(result, status=1):
     """Returns the one error line a failed command printed, no traceback.
 
     Args:
-        result: A `subprocess.CompletedProcess` with text stderr.
+        result: A `subprocess.CompletedProcess` with text stderr (of
+            `run_cli` or `call_cli`).
         status: The exit status the command must have ended with.
     """
     assert result.returncode == status, result.stderr

@@ -18,7 +18,7 @@ from made_up_devices import CPU_BF16
 from made_up_devices import CPU_PLAIN
 from made_up_devices import CPU_UNKNOWN
 from made_up_devices import nvidia
-from testing import run_cli
+from testing import call_cli
 
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies.hardware import Device
@@ -88,7 +88,7 @@ def test_doctor_prints_the_advice_where_it_fits(monkeypatch):
 
 def test_doctor_json_carries_the_advice():
     expected = advice.low_precision_advice(hardware.list_devices())
-    result = run_cli("doctor", "--json")
+    result = call_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["low_precision"] == expected
 

@@ -1,14 +1,12 @@
 """The tested Keras range: the package's bound, and what `doctor` says."""
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import pytest
+from testing import call_cli
 
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import doctor
@@ -75,28 +73,16 @@ def test_doctor_report_judges_a_given_version():
 
 
 def test_doctor_reports_the_installed_keras():
-    environment = dict(os.environ, KERAS_BACKEND=BACKEND)
-    environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_dtype_policy", "doctor", "--json"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=240,
-    )
+    # The command runs in this process (`call_cli`): the Keras it reports
+    # is the one imported here.
+    result = call_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)["keras"]
     assert report["inside_tested_range"] is True
     assert report["distribution"] == keras_internals.keras_distribution()
     assert report["tested_range"] == keras_internals.TESTED_KERAS
     assert keras.__version__ in report["verdict"]
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_dtype_policy", "doctor"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=240,
-    )
+    result = call_cli("doctor")
     assert result.returncode == 0, result.stderr
     flat = " ".join(result.stdout.split())
     assert f"keras {keras.__version__}: " in flat

@@ -1,9 +1,15 @@
-"""The command line, run as a user runs it: `python -m keras_dtype_policy`.
+"""The command line's commands, each run through `cli.main`.
 
-Each command runs in a subprocess on the backend of this test run
-(`KERAS_BACKEND` is passed on). Standard error may hold the backends' own
-log lines; only our lines are checked there. A few finer error paths run
-in-process through `cli.main`, which the subprocesses also run.
+The commands run in this process (`call_cli`: arguments, working directory
+and environment as a user gives them, output captured, global state put
+back), on the backend of this test run: starting Python and Keras again
+for each cost seconds a run. What needs a process of its own runs in one:
+the installed console script here and a user error's exit status of
+`python -m keras_dtype_policy`; the output to a pipe and a terminal in
+test_cli_output.py; `--import` from PYTHONPATH and the current directory
+in test_cli_imports.py; a backend that does not import in
+test_cli_backends.py. Standard error may hold the backends' own log
+lines; only our lines are checked there.
 """
 
 import json
@@ -19,6 +25,7 @@ import keras
 import numpy as np
 import pytest
 from testing import CLI_ERROR
+from testing import call_cli
 from testing import cli_error_line
 from testing import run_cli
 from testing import to_numpy
@@ -74,7 +81,7 @@ def cells(table):
 
 
 def test_help_lists_the_commands():
-    result = run_cli("--help")
+    result = call_cli("--help")
     assert result.returncode == 0
     for command in ("demo", "inspect", "migrate", "doctor"):
         assert command in result.stdout
@@ -115,7 +122,7 @@ def test_the_console_script_runs():
 
 
 def test_doctor_names_backend_devices_and_policy():
-    result = run_cli("doctor")
+    result = call_cli("doctor")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"backend: {BACKEND} ")
     table = tables(result.stdout)[0]
@@ -128,7 +135,7 @@ def test_doctor_names_backend_devices_and_policy():
 
 
 def test_doctor_json_matches_the_rules():
-    result = run_cli("doctor", "--json")
+    result = call_cli("doctor", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["backend"] == BACKEND
@@ -156,19 +163,23 @@ def test_doctor_json_matches_the_rules():
         ({"KDP_TORCH_COMPILE": "0"}, "run eager torch operations"),
     ],
 )
-def test_doctor_says_how_quantized_state_runs_on_torch(env, expected):
+def test_doctor_says_how_quantized_state_runs_on_torch(
+    env, expected, monkeypatch
+):
     # On torch on a CPU a note says whether the 8-bit and 4-bit state
     # kernels compile; JAX and TensorFlow have no such note (XLA compiles
     # their step).
     from keras_dtype_policy.low_precision import torch_kernels
 
+    # As in a fresh process: no compile has failed yet in this one.
+    monkeypatch.setattr(torch_kernels, "_failed", [])
     # Each case sets the switch: tox's torch environment turns it off.
     compiles = env == {"KDP_TORCH_COMPILE": "1"}
     if compiles and torch_kernels.c_compiler() is None:
         pytest.skip("no C++ compiler here: the first case cannot arise")
     if not compiles and BACKEND != "torch":
         pytest.skip("the note is torch's: one run shows it absent here")
-    result = run_cli("doctor", "--json", env=env)
+    result = call_cli("doctor", "--json", env=env)
     assert result.returncode == 0, result.stderr
     notes = json.loads(result.stdout)["notes"]
     ours = [note for note in notes if "optimizer state" in note]
@@ -179,7 +190,7 @@ def test_doctor_says_how_quantized_state_runs_on_torch(env, expected):
 
 
 def test_inspect_a_tf_keras_h5_file():
-    result = run_cli(
+    result = call_cli(
         "inspect", FIXTURES / "dense_mixed_float16_adam_dynamic.h5"
     )
     assert result.returncode == 0, result.stderr
@@ -216,7 +227,7 @@ def test_inspect_a_tf_keras_h5_file():
 
 def test_inspect_json_of_a_tf_keras_keras_file():
     path = FIXTURES / "dense_mixed_float16_adam_fixed.keras"
-    result = run_cli("inspect", path, "--json")
+    result = call_cli("inspect", path, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["format"] == "keras"
@@ -291,7 +302,7 @@ def test_inspect_shows_nested_layers_and_live_state(tmp_path, capsys):
 
 def test_migrate_a_tf_keras_file(tmp_path):
     old = FIXTURES / "dense_mixed_float16_adam_dynamic.h5"
-    result = run_cli("migrate", old, "migrated.keras", cwd=tmp_path)
+    result = call_cli("migrate", old, "migrated.keras", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert (
@@ -332,14 +343,14 @@ def demo_report(result):
 
 
 def test_demo_runs_the_default_policy_against_float32(tmp_path):
-    result = run_cli("demo", "--epochs", "2", "--samples", "64", cwd=tmp_path)
+    result = call_cli("demo", "--epochs", "2", "--samples", "64", cwd=tmp_path)
     layers, comparison = demo_report(result)
     choice = advice.demo_choice(hardware.list_devices())
     policy = choice.policy
     assert f"[1/2] policy {policy}" in result.stdout
     assert "[2/2] policy float32 (for comparison" in result.stdout
     assert "64 training and 359 test images" in result.stdout
-    # Through a pipe: one plain line per epoch, no progress bar.
+    # Not at a terminal: one plain line per epoch, no progress bar.
     assert "\r" not in result.stdout and "\x1b[" not in result.stdout
     assert "\u2501" not in result.stdout
     assert result.stdout.count("Epoch 2/2") == 2
@@ -381,7 +392,7 @@ def test_demo_runs_the_default_policy_against_float32(tmp_path):
 
 
 def test_demo_float16_shows_loss_scale_and_writes_a_plot(tmp_path):
-    result = run_cli(
+    result = call_cli(
         "demo",
         "--policy",
         "mixed_float16",
@@ -403,16 +414,11 @@ def test_demo_float16_shows_loss_scale_and_writes_a_plot(tmp_path):
     assert "plot written to demo.png" in result.stdout
 
 
-def test_demo_without_scikit_learn_names_the_extra(tmp_path):
-    fake = tmp_path / "fake" / "sklearn"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(
-        "raise ImportError('No module named sklearn')\n"
-    )
-    path = os.pathsep.join(
-        [str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]
-    )
-    result = run_cli("demo", env={"PYTHONPATH": path})
+def test_demo_without_scikit_learn_names_the_extra(monkeypatch):
+    # None in sys.modules: `import sklearn` raises ImportError, as where
+    # scikit-learn is not installed.
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    result = call_cli("demo")
     assert_one_error_line(result, 1, "pip install 'keras_dtype_policy[demo]'")
 
 
@@ -481,8 +487,17 @@ def test_user_errors_are_one_line(args, status, fragment, tmp_path):
     (tmp_path / "folder.keras").mkdir()
     with h5py.File(tmp_path / "data.h5", "w") as f:
         f["x"] = np.arange(3)
-    result = run_cli(*args, cwd=tmp_path)
+    result = call_cli(*args, cwd=tmp_path)
     assert_one_error_line(result, status, fragment)
+    assert result.stdout == ""
+
+
+def test_a_user_error_is_the_exit_status_of_the_process(tmp_path):
+    # The one user error run as a user runs it: `python -m
+    # keras_dtype_policy` after Keras imported (test_cli_backends.py has
+    # the errors before it does).
+    result = run_cli("inspect", "missing.keras", cwd=tmp_path)
+    assert_one_error_line(result, 1, "missing.keras: no such file")
     assert result.stdout == ""
 
 

@@ -3,7 +3,10 @@
 The layer's module is written to a temporary folder; the model is saved in
 a subprocess that imports it, and loaded by the command line, which finds
 the module through `--import` (by name on PYTHONPATH or in the current
-directory, or as a .py file).
+directory, or as a .py file). The command line runs in a subprocess where
+the module is found by name (PYTHONPATH and the current directory are
+read as Python starts), and in this process (`call_cli`, which forgets
+the imported module and its registered layer afterwards) otherwise.
 """
 
 import json
@@ -14,6 +17,7 @@ import textwrap
 
 import keras
 import pytest
+from testing import call_cli
 from testing import cli_error_line
 
 BACKEND = keras.backend.backend()
@@ -80,7 +84,7 @@ def run_cli(*args, cwd, **extra):
 def test_without_import_the_innermost_cause_and_the_fix_are_shown(folder):
     elsewhere = folder / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
-    result = run_cli("inspect", folder / "custom.keras", cwd=elsewhere)
+    result = call_cli("inspect", folder / "custom.keras", cwd=elsewhere)
     line = cli_error_line(result)
     assert "Could not locate class 'Scale'" in line
     assert "could not be deserialized properly" not in line
@@ -118,7 +122,7 @@ def test_inspect_imports_a_module_from_the_current_directory(folder):
 
 
 def test_migrate_imports_a_python_file(folder, tmp_path):
-    result = run_cli(
+    result = call_cli(
         "migrate",
         folder / "custom.keras",
         tmp_path / "new.keras",
@@ -143,5 +147,7 @@ def test_migrate_imports_a_python_file(folder, tmp_path):
 )
 def test_a_module_that_does_not_import_is_one_line(module, fragment, tmp_path):
     (tmp_path / "broken.py").write_text("1 / 0\n")
-    result = run_cli("inspect", "model.keras", "--import", module, cwd=tmp_path)
+    result = call_cli(
+        "inspect", "model.keras", "--import", module, cwd=tmp_path
+    )
     assert fragment in cli_error_line(result)

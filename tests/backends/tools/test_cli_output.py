@@ -2,7 +2,10 @@
 
 Through a pipe (a CI log, `| tee`), and wherever `NO_COLOR` is set, output
 holds no carriage return and no ANSI escape; at a terminal (a pseudo
-terminal here) the demo keeps Keras' progress bar.
+terminal here) the demo keeps Keras' progress bar. The demo runs in a
+process of its own, its output a real pipe or terminal; the other commands
+run in this process (`call_cli`), on a standard output that is no
+terminal.
 """
 
 import io
@@ -14,6 +17,7 @@ import threading
 
 import keras
 import pytest
+from testing import call_cli
 
 from keras_dtype_policy.tools import terminal
 
@@ -84,14 +88,11 @@ def test_the_demo_through_a_pipe_prints_plain_lines(tmp_path):
     [("doctor",), ("doctor", "--json"), ("--help",)],
     ids=["doctor", "doctor-json", "help"],
 )
-def test_other_commands_through_a_pipe_print_plain_lines(args):
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_dtype_policy", *args],
-        capture_output=True,
-        text=True,
-        env=environment(),
-        timeout=120,
-    )
+def test_other_commands_off_a_terminal_print_plain_lines(args, monkeypatch):
+    # In this process, on a standard output that is no terminal (the
+    # demo's test above is the one through a real pipe).
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    result = call_cli(*args)
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stdout and "\x1b[" not in result.stdout
 
