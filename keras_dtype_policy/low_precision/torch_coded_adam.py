@@ -1,15 +1,13 @@
-"""Keras' Adam on 8-bit or 4-bit state as one compiled torch kernel a
-group.
+"""Keras' Adam on 8-bit state as one compiled torch kernel a group.
 
 The batched torch step (`torch_step`) widens a group's weights and
 moments into float32 working space, runs Adam there and codes the moments
 back: a pass over memory for each end, and one hash of random bits for
 each value rounded. For Keras' `Adam` and `AdamW` (without `amsgrad`)
-whose two moments are 8-bit or 4-bit codes, this module runs a group's
-whole update as one compiled kernel instead (`torch_kernels`): each
-block (256 elements at 8 bits, 128 at 4) is dequantized, updated,
-requantized and its weight stored while it is in cache, from one pair
-of hashes of the element's index.
+whose two moments are 8-bit codes, this module runs a group's whole
+update as one compiled kernel instead (`torch_kernels`): each block of
+256 elements is dequantized, updated, requantized and its weight stored
+while it is in cache, from one pair of hashes of the element's index.
 
 - The arithmetic is Keras' torch Adam's, in float32: `m = beta_1 * m +
   (1 - beta_1) * g`, `v = beta_2 * v + (1 - beta_2) * g**2`,
@@ -29,7 +27,10 @@ of hashes of the element's index.
   values as `block_codes` does.
 
 Everything else takes the general path: float16 weights or
-compensations, `update="nearest"`, other optimizers, and
+compensations, `update="nearest"`, 4-bit state (its two codes a byte
+made the same kernel three times slower than the general path's:
+inductor could not vectorize the packing inside the fused loop), other
+optimizers, and
 every step where the kernels do not compile (`KDP_TORCH_COMPILE=0`, no
 C++ compiler).
 
@@ -42,11 +43,8 @@ from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
-# The (first moment, second moment) codes of each state dtype.
-CODES = {
-    bits: (block_codes.code_for(bits, True), block_codes.code_for(bits, False))
-    for bits in (8, 4)
-}
+# The (first moment, second moment) codes of each state dtype it runs.
+CODES = {8: (block_codes.code_for(8, True), block_codes.code_for(8, False))}
 _ADAMS = ("Adam", "AdamW")
 # A group's staged blocks are a multiple of this, so that a few fixed
 # sizes (each compiled once, with static shapes) cover every group.
