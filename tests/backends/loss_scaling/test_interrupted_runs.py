@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 WORKER = pathlib.Path(__file__).with_name("resume_worker.py")
 
@@ -23,27 +22,26 @@ def run(mode, work_dir):
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work_dir = tmp_path_factory.mktemp("resume")
-    full = run("full", work_dir)
+def test_resumed_runs_match_the_uninterrupted_one(tmp_path):
+    # One test for both ways of resuming, not one each: the two runs they
+    # start from then happen once, on whichever xdist worker takes it (a
+    # module-scoped fixture runs again on each worker that gets a test).
+    full = run("full", tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
-    interrupted = run("interrupted", work_dir)
+    interrupted = run("interrupted", tmp_path)
     assert interrupted.returncode != 0
     assert "simulated interruption" in interrupted.stderr
-    assert not (work_dir / "interrupted.npz").exists()
-    return work_dir
-
-
-@pytest.mark.parametrize("resume", ["resume_backup", "resume_checkpoint"])
-def test_resumed_run_matches_the_uninterrupted_one(runs, resume):
-    result = run(resume, runs)
-    assert result.returncode == 0, result.stderr[-3000:]
-    full = np.load(runs / "full.npz")
-    resumed = np.load(runs / f"{resume}.npz")
-    assert sorted(full.files) == sorted(resumed.files)
+    assert not (tmp_path / "interrupted.npz").exists()
+    full = np.load(tmp_path / "full.npz")
     assert float(full["skipped_steps"]) == 5  # one overflow per epoch
-    for key in ("loss_scale", "dynamic_counter", "skipped_steps"):
-        assert full[key] == resumed[key], key
-    for key in full.files:
-        np.testing.assert_array_equal(full[key], resumed[key], err_msg=key)
+    for resume in ("resume_backup", "resume_checkpoint"):
+        result = run(resume, tmp_path)
+        assert result.returncode == 0, f"{resume}: {result.stderr[-3000:]}"
+        resumed = np.load(tmp_path / f"{resume}.npz")
+        assert sorted(full.files) == sorted(resumed.files), resume
+        for key in ("loss_scale", "dynamic_counter", "skipped_steps"):
+            assert full[key] == resumed[key], f"{resume}: {key}"
+        for key in full.files:
+            np.testing.assert_array_equal(
+                full[key], resumed[key], err_msg=f"{resume}: {key}"
+            )
