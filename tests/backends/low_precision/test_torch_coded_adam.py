@@ -217,3 +217,52 @@ def test_a_step_that_is_not_finite_is_left_to_the_general_path(compiled):
     signed = codes[0].reshape(-1)
     assert signed[0] == 127
     assert np.all(np.isfinite(values[0].reshape(-1)[256:]))
+
+
+def test_sixty_steps_follow_float32_state(compiled):
+    # test_quantized_state's numerical check, through the kernel: Adam with
+    # 8-bit state against float32 state, 60 steps of the same gradients.
+    from keras_dtype_policy import LowPrecisionOptimizer
+
+    def trajectory(state_dtype):
+        rng = np.random.RandomState(0)
+        start = (rng.randn(64, 128) * 0.1).astype("float32")
+        weight = keras.Variable(start)
+        optimizer = LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-3), state_dtype=state_dtype, seed=1
+        )
+        for step in range(60):
+            grad = np.random.RandomState(100 + step).randn(64, 128) * 0.01
+            optimizer.apply(
+                [keras.ops.convert_to_tensor(grad, "float32")], [weight]
+            )
+        return start, keras.ops.convert_to_numpy(weight)
+
+    start, reference = trajectory("float32")
+    _, quantized = trajectory("8bit")
+    assert len(compiled) == 60 and all(compiled)
+    moved = np.abs(reference - start).mean()
+    error = np.abs(quantized - reference)
+    assert moved > 1e-3
+    assert error.mean() < 0.05 * moved
+    assert np.median(error / np.abs(reference)) < 0.02
+
+
+def test_kahan_bfloat16_weights_keep_every_step(compiled):
+    # A constant gradient: Adam's steps are the learning rate each, far
+    # below bfloat16's spacing at 1.0; the compensation keeps them.
+    from keras_dtype_policy import LowPrecisionOptimizer
+
+    weight = keras.Variable(np.ones((64, 64), "float32"), dtype="bfloat16")
+    optimizer = LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-3), update="kahan", state_dtype="8bit", seed=0
+    )
+    for _ in range(10):
+        optimizer.apply([keras.ops.ones((64, 64), "bfloat16")], [weight])
+    assert len(compiled) == 10 and all(compiled)
+    compensation = optimizer.compensation_of(weight)
+    values = keras.ops.convert_to_numpy(
+        keras.ops.cast(weight, "float32")
+        + keras.ops.cast(compensation, "float32")
+    )
+    np.testing.assert_allclose(values, 1.0 - 10 * 1e-3, atol=2e-4)
