@@ -341,12 +341,12 @@ def _adam_body(
     # may drop a float32 -> bfloat16 -> float32 round trip): half a unit
     # and 16 random bits (stochastic rounding), or half a unit less one
     # plus the kept bit (to nearest, ties to even); the low half cleared.
-    bits = w.view(torch.int32)
+    pattern = w.view(torch.int32)
     if store == "stochastic":
-        bits = bits + ((words >> 16) & 0xFFFF)
+        pattern = pattern + ((words >> 16) & 0xFFFF)
     else:
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-    rounded = (bits & -65536).view(torch.float32)
+        pattern = pattern + (0x7FFF + ((pattern >> 16) & 1))
+    rounded = (pattern & -65536).view(torch.float32)
     weight.copy_(rounded.view(-1).to(weight.dtype))
     if store == "kahan":
         # The compensation keeps what rounding took off.
