@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 import warnings
@@ -336,3 +337,33 @@ def run_json_worker(worker, *args, backend=BACKEND, timeout=300):
     assert result.returncode == 0, result.stderr[-3000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
     return json.loads(line)
+
+
+def made_once(tmp_path_factory, name, make):
+    """Returns the folder that `make(folder)` filled, once per test run.
+
+    A module-scoped fixture runs again on each pytest-xdist worker that
+    takes one of its module's tests. Made here, its files are written once,
+    by the first worker, in a folder all the run's workers share (the one
+    above their own base folders), while the others wait for a lock; a
+    `make` that fails leaves nothing, and the next worker tries again.
+
+    Args:
+        tmp_path_factory: pytest's fixture of that name.
+        name: The folder's name, one per kind of files.
+        make: Writes the files into the (empty) folder it is given.
+    """
+    import fcntl  # POSIX: so is every machine these tests run on
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder

@@ -3,7 +3,8 @@ and MultiWorkerMirroredStrategy over two processes joined over loopback.
 
 Each engine needs settings made before TensorFlow starts, so every run
 happens in tf_distribution_worker.py, in processes of its own; the tests
-read what the runs wrote. The NaN in the data sits in the second replica's
+read what the runs wrote (once per test run, whichever xdist workers take
+the tests: `made_once`). The NaN in the data sits in the second replica's
 share of step 3 only.
 """
 
@@ -20,6 +21,7 @@ import pytest
 from testing import BACKEND
 from testing import FINITE
 from testing import NAN
+from testing import made_once
 from testing import reference_trajectory
 from testing import run_readme_example
 
@@ -59,7 +61,11 @@ def free_ports(count):
 
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("mirrored")
+    folder = made_once(tmp_path_factory, "tf_mirrored", run_mirrored)
+    return dict(np.load(folder / "mirrored.npz"))
+
+
+def run_mirrored(out_dir):
     result = subprocess.run(
         [sys.executable, str(WORKER), "mirrored", str(out_dir)],
         env=ENV,
@@ -68,24 +74,27 @@ def mirrored(tmp_path_factory):
         timeout=420,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return dict(np.load(out_dir / "mirrored.npz"))
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
+    folder = made_once(tmp_path_factory, "tf_multiworker", run_workers)
+    return [
+        dict(np.load(folder / f"multiworker-{index}.npz")) for index in range(2)
+    ]
+
+
+def run_workers(out_dir):
     # The ports are free when chosen, but another program may take one
     # before a worker binds it: then, and only then, try new ones.
     for _attempt in range(3):
-        out_dir = tmp_path_factory.mktemp("multiworker")
+        for stale in out_dir.iterdir():
+            stale.unlink()
         logs = run_two_workers(out_dir)
         if not any(PORT_TAKEN in log for log in logs):
             break
     for index, log in enumerate(logs):
         assert (out_dir / f"multiworker-{index}.npz").exists(), log[-4000:]
-    return [
-        dict(np.load(out_dir / f"multiworker-{index}.npz"))
-        for index in range(2)
-    ]
 
 
 PORT_TAKEN = "Could not start gRPC server"
