@@ -43,8 +43,9 @@ from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
-# The (first moment, second moment) codes of each state dtype it runs.
-CODES = {8: (block_codes.code_for(8, True), block_codes.code_for(8, False))}
+# The codes of the first and the second moment.
+SIGNED = block_codes.code_for(8, True)
+UNSIGNED = block_codes.code_for(8, False)
 _ADAMS = ("Adam", "AdamW")
 # A group's staged blocks are a multiple of this, so that a few fixed
 # sizes (each compiled once, with static shapes) cover every group.
@@ -62,19 +63,15 @@ def moments(wrapper, piece):
         return None
     if wrapper.update not in ("stochastic_rounding", "kahan"):
         return None
-    weight = view.weight._value
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if _store(wrapper, view) is None:
+    if _store(wrapper, view) is None or len(piece.slots) != 2:
         return None
     if piece.grad.dtype not in (torch.float32, torch.bfloat16):
         return None
     index = inner._get_variable_index(view)
     pair = (inner._momentums[index], inner._velocities[index])
-    codes = [getattr(slot, "code", None) for slot in pair]
-    if tuple(codes) not in CODES.values() or len(piece.slots) != 2:
-        return None
     if not all(isinstance(slot, QuantizedSlot) for slot in pair):
+        return None
+    if (pair[0].code, pair[1].code) != (SIGNED, UNSIGNED):
         return None
     return pair
 
@@ -89,6 +86,8 @@ def _store(wrapper, view):
     compensation = view.compensation
     if weight == torch.float32:
         return "float32" if compensation is None else None
+    if weight != torch.bfloat16:
+        return None
     if wrapper.update == "stochastic_rounding" and compensation is None:
         return "stochastic"
     if compensation is not None and compensation.dtype == "bfloat16":
@@ -108,12 +107,7 @@ def apply(wrapper, pieces, learning_rate, noise, limit):
             rest.append(piece)
             continue
         store = _store(wrapper, piece.view)
-        kind = (
-            piece.view.weight._value.dtype,
-            piece.grad.dtype,
-            store,
-            pair[0].code.bits,
-        )
+        kind = (piece.view.weight._value.dtype, piece.grad.dtype, store)
         group = groups.setdefault(kind, [[]])
         if group[-1] and sizes[kind] + piece.size > limit:
             group.append([])
@@ -153,19 +147,17 @@ def _update_group(wrapper, group, hyper, noise):
     inner = wrapper.inner_optimizer
     view = group[0][0].view
     total = sum(torch_arena.padded(p, m) for p, (m, _) in group)
-    signed, unsigned = CODES[group[0][1][0].code.bits]
-    blocks = -(-total // (ROWS * signed.block)) * ROWS
+    block = SIGNED.block
+    blocks = -(-total // (ROWS * block)) * ROWS
     kernel = torch_kernels.compiled(
-        _adam_body,
-        "adam",
-        store=_store(wrapper, view),
-        rows=blocks,
-        bits=signed.bits,
+        _adam_body, "adam", store=_store(wrapper, view), rows=blocks
     )
     if kernel is None:
         return False
-    space = _Staging(wrapper, group, blocks, signed)
-    gathered, tails, decays, offset = ([], []), [], [], 0
+    space = _Staging(wrapper, group, blocks)
+    # (staged, stored) pairs: all copied in; weights and compensations
+    # copied back.
+    gathered, written, tails, decays, offset = ([], []), [], [], [], 0
     listed = {"m_codes": [], "m_scales": [], "v_codes": [], "v_scales": []}
     for piece, (m, v) in group:
         size, padded = piece.size, torch_arena.padded(piece, m)
@@ -180,6 +172,8 @@ def _update_group(wrapper, group, hyper, noise):
         for staged, source in staged_pairs:
             gathered[0].append(staged[offset : offset + size])
             gathered[1].append(piece.flat(source))
+            if source is not piece.grad:
+                written.append((gathered[1][-1], gathered[0][-1]))
             if padded > size:
                 tails.append(staged[offset + size : offset + padded])
         first, stop = torch_arena.blocks_of(piece, m)
@@ -188,7 +182,7 @@ def _update_group(wrapper, group, hyper, noise):
             listed[f"{name}_scales"].append(slot.scales._value[first:stop])
         decays.append(1.0 if inner._use_weight_decay(piece.view) else 0.0)
         offset += padded
-    used = total // signed.block
+    used = total // block
     if used < blocks:
         # The rows after the group's: zeros, never written back.
         tails += [space.weight[total:], space.grad[total:]]
@@ -206,7 +200,7 @@ def _update_group(wrapper, group, hyper, noise):
     else:
         row = 0
         for (piece, (m, _)), flag in zip(group, decays, strict=True):
-            count = torch_arena.padded(piece, m) // signed.block
+            count = torch_arena.padded(piece, m) // block
             space.decay[row : row + count].fill_(rate * flag)
             row += count
         space.decay[row:].zero_()
@@ -225,21 +219,13 @@ def _update_group(wrapper, group, hyper, noise):
     finite = torch.isfinite(space.m_scales).all()
     if not bool(finite & torch.isfinite(space.v_scales).all()):
         return False
-    # Written back: the weights and compensations, not the gradients.
-    stride = len(staged_pairs)
-    written = [i for i in range(len(gathered[0])) if i % stride != 1]
-    torch._foreach_copy_(
-        [gathered[1][i] for i in written], [gathered[0][i] for i in written]
-    )
-    targets, sources, block = [], [], 0
-    for name in listed:
-        block = 0
-        for piece in listed[name]:
+    for name, pieces in listed.items():
+        row = 0
+        for piece in pieces:
             count = piece.shape[0]
-            targets.append(piece)
-            sources.append(getattr(space, name)[block : block + count])
-            block += count
-    torch._foreach_copy_(targets, sources)
+            written.append((piece, getattr(space, name)[row : row + count]))
+            row += count
+    torch._foreach_copy_(*zip(*written, strict=True))
     return True
 
 
@@ -247,12 +233,12 @@ class _Staging:
     """A group's staged weights, gradients, codes and scales, in space of
     the wrapper's reused from step to step."""
 
-    def __init__(self, wrapper, group, blocks, code):
+    def __init__(self, wrapper, group, blocks):
         import torch
 
         piece = group[0][0]
-        total = blocks * code.block
-        width = code.bytes_per_block
+        total = blocks * SIGNED.block
+        width = SIGNED.bytes_per_block
         needs = {
             "weight": (piece.view.weight._value.dtype, total),
             "grad": (piece.grad.dtype, total),
@@ -299,13 +285,13 @@ def _adam_body(
     *,
     store,
     rows,
-    bits,
 ):
-    """The body of the kernel: a group's Adam step on `bits`-bit moments
+    """The body of the kernel: a group's Adam step on 8-bit moments
     (`rows` blocks, a constant of the kernel: its shapes are static)."""
     import torch
 
-    signed, unsigned = (torch_kernels.constants(c) for c in CODES[bits])
+    signed = torch_kernels.constants(SIGNED)
+    unsigned = torch_kernels.constants(UNSIGNED)
     block = signed["block"]
     m = torch_kernels.dequantized(m_codes, m_scales, **signed)
     v = torch_kernels.dequantized(v_codes, v_scales, **unsigned)

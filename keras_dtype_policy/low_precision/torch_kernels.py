@@ -64,10 +64,10 @@ def dequantize(out, codes, scales, code):
         True if done; False where the caller must run the eager
         operations instead.
     """
-    kernel = _kernel(_dequantize, None, **constants(code))
+    kernel = compiled(_dequantize, None, **constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
-    return _run(kernel, (out, codes, scales))
+    return run(kernel, (out, codes, scales))
 
 
 def quantize(values, codes, scales, code, noise=None):
@@ -82,14 +82,14 @@ def quantize(values, codes, scales, code, noise=None):
         again by `block_codes`' own path).
     """
     stochastic = noise is not None
-    kernel = _kernel(_quantize, stochastic, **constants(code))
+    kernel = compiled(_quantize, stochastic, **constants(code))
     if kernel is None or scales.shape[0] < 2:
         return False
     key = None
     if noise is not None:
         # Two 16-bit draws of the step's stream make the call's key.
         key = noise.int32(2)
-    done = _run(kernel, (values, codes, scales), key)
+    done = run(kernel, (values, codes, scales), key)
     import torch
 
     return done and bool(torch.isfinite(scales).all())
@@ -110,12 +110,12 @@ def round_to_bfloat16(stored, working, noise):
     """
     import torch
 
-    kernel = _kernel(_round_to_bfloat16, True)
+    kernel = compiled(_round_to_bfloat16, True)
     if kernel is None:
         return False
     # The bit pattern as integers: no bit cast of the input in the kernel.
     pieces = (stored, working.view(torch.int32))
-    return _run(kernel, pieces, noise.int32(2))
+    return run(kernel, pieces, noise.int32(2))
 
 
 def constants(code):
@@ -129,7 +129,7 @@ def constants(code):
     }
 
 
-def _run(kernel, pieces, *rest):
+def run(kernel, pieces, *rest):
     """Calls a compiled kernel on the tensors `pieces` (views written in
     place as a whole, never sliced inside a kernel) and `rest`; False (and
     eager from now on) if it cannot compile."""
@@ -152,25 +152,14 @@ def _run(kernel, pieces, *rest):
 
 
 def compiled(body, variant, **constants):
-    """`body` compiled for `variant` and `constants`, or None where eager
-    operations run (`KDP_TORCH_COMPILE=0`, a failed compile, inside a
-    step torch itself compiles)."""
-    return _kernel(body, variant, **constants)
+    """The compiled `body`, or None where eager operations run
+    (`KDP_TORCH_COMPILE=0`, a failed compile, inside a step torch itself
+    compiles).
 
-
-def run(kernel, pieces, *rest):
-    """Calls `compiled`'s kernel; False (and eager from now on, with a
-    warning) if it cannot compile."""
-    return _run(kernel, pieces, *rest)
-
-
-def _kernel(body, stochastic, **constants):
-    """The compiled `body`, or None where eager operations run.
-
-    `constants` (a code's bits, signedness and block) are constants of
-    the kernel. Each kind of kernel gets its own copy of the function, so
-    that torch's limit on recompilations of one function is never
-    reached.
+    `variant` tells kernels of one body apart; `constants` (a code's
+    bits, signedness and block, for one) are constants of the kernel.
+    Each kind of kernel gets its own copy of the function, so that
+    torch's limit on recompilations of one function is never reached.
     """
     if not enabled():
         return None
@@ -178,7 +167,7 @@ def _kernel(body, stochastic, **constants):
 
     if torch.compiler.is_compiling():
         return None
-    key = (body.__name__, stochastic, *sorted(constants.items()))
+    key = (body.__name__, variant, *sorted(constants.items()))
     if key not in _compiled:
 
         def kernel(*arguments):

@@ -40,13 +40,13 @@ def codes_path(request, monkeypatch):
     monkeypatch.setenv(torch_kernels.SWITCH, "1" if compiled else "0")
     monkeypatch.setattr(torch_kernels, "_failed", [])
     calls = []
-    run = torch_kernels._run
+    run = torch_kernels.run
 
     def counted(*args):
         calls.append(args[0])
         return run(*args)
 
-    monkeypatch.setattr(torch_kernels, "_run", counted)
+    monkeypatch.setattr(torch_kernels, "run", counted)
     yield request.param
     assert torch_kernels._failed == []
     assert bool(calls) == compiled
