@@ -26,6 +26,16 @@ sign (NaN as zero), so one bad element never spreads over its block.
 All of it is `keras.ops`, so it runs eagerly and under `jit` on every
 backend. Codes are int8: signed codes as they are, unsigned ones shifted
 by -128, 4-bit codes two to a byte.
+
+Sources: block-wise quantization of optimizer state, one absolute-max
+scale a block so that an outlier stays in its block (Dettmers et al.
+2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861,
+section 2); 4-bit state with smaller blocks, and a second moment whose
+code has no zero level (Li et al. 2023, "Memory Efficient Optimizers with
+4-bit States", arXiv:2309.01507, sections 3 and 4); unbiased stochastic
+rounding (Gupta et al. 2015, "Deep Learning with Limited Numerical
+Precision", arXiv:1502.02551, section 3). The power maps are this
+package's own (bitsandbytes and torchao use a dynamic tree code).
 """
 
 import dataclasses
@@ -86,6 +96,29 @@ def block_count(size, code):
     return -(-int(size) // code.block)
 
 
+def element_count(shape):
+    """How many elements a tensor of `shape` has (1 for a scalar)."""
+    count = 1
+    for dimension in shape:
+        count *= int(dimension)
+    return count
+
+
+def uniform_of_bits(noise):
+    """The uniform number in (0, 1) that 16 random bits stand for.
+
+    `(noise + 0.5) / 2**16`: the midpoint of the bits' interval, so the
+    threshold of a stochastic rounding is never exactly 0 or 1.
+
+    Args:
+        noise: A tensor of integers in `[0, 2**16)`.
+
+    Returns:
+        A float32 tensor of the same shape.
+    """
+    return ops.multiply(ops.add(ops.cast(noise, "float32"), 0.5), 1.0 / 65536.0)
+
+
 def quantize(values, code, seed=None):
     """Returns `(codes, scales)` storing float `values` block by block.
 
@@ -128,10 +161,7 @@ def quantize(values, code, seed=None):
         threshold = ops.multiply(gap, 0.5)
     else:
         noise = random_bits.rounding_noise(ops.shape(values), 16, seed)
-        uniform = ops.multiply(
-            ops.add(ops.cast(noise, "float32"), 0.5), 1.0 / 65536.0
-        )
-        threshold = ops.multiply(gap, uniform)
+        threshold = ops.multiply(gap, uniform_of_bits(noise))
     up = ops.greater_equal(ops.subtract(position, low), threshold)
     index = ops.add(index, ops.cast(up, "float32"))
     if code.signed:

@@ -16,6 +16,14 @@ and under `jit` (JAX), `tf.function` (XLA too) and torch alike:
   (`random_bits`) hash each element's index with a key drawn from a
   `keras.random.SeedGenerator`, whose state is a variable: seeded, the
   sequence is reproducible and is saved with the optimizer.
+
+Sources: stochastic rounding for low-precision training (Gupta et al.
+2015, "Deep Learning with Limited Numerical Precision", arXiv:1502.02551,
+section 3); Kahan summation and stochastic rounding of bfloat16 weight
+updates (Zamirai et al. 2020, "Revisiting BFloat16 Training",
+arXiv:2010.06192); the compensation buffer in the weight's own
+dtype as optimi keeps it
+(https://optimi.benjaminwarner.dev/kahan_summation/).
 """
 
 import keras
@@ -77,29 +85,30 @@ def stochastic_round(value, dtype, seed):
     kept = ops.bitwise_and(ops.add(bits, noise), -(2**dropped))
     rounded = ops.view(kept, "float32")
     if dtype == "float16":
-        # Below float16's normal range its steps are 2**-24 apart, whatever
-        # the exponent: round on that grid, with the same noise.
-        uniform = ops.multiply(
-            ops.cast(noise, "float32"), 1.0 / float(2**dropped)
-        )
-        grid = ops.multiply(
-            ops.floor(
-                ops.add(
-                    ops.multiply(value, 1.0 / _FLOAT16_SUBNORMAL_STEP), uniform
-                )
-            ),
-            _FLOAT16_SUBNORMAL_STEP,
-        )
-        rounded = ops.where(
-            ops.less(ops.abs(value), _FLOAT16_MIN_NORMAL), grid, rounded
-        )
-        # Beyond float16's largest number, what a cast gives: the largest
-        # number below 65520, infinity from there.
-        rounded = ops.where(
-            ops.greater(ops.abs(value), _FLOAT16_MAX), value, rounded
-        )
+        rounded = _float16_ends(value, rounded, noise, dropped)
     rounded = ops.where(ops.isfinite(value), rounded, value)
     return ops.cast(rounded, dtype)
+
+
+def _float16_ends(value, rounded, noise, dropped):
+    """`rounded` with float16's subnormal and overflowing values redone.
+
+    Below float16's normal range its steps are 2**-24 apart, whatever the
+    exponent: those values round on that grid, with the same noise. Beyond
+    float16's largest number they are left for the cast, which gives the
+    largest number below 65520 and infinity from there.
+    """
+    uniform = ops.multiply(ops.cast(noise, "float32"), 1.0 / float(2**dropped))
+    grid = ops.multiply(
+        ops.floor(
+            ops.add(ops.multiply(value, 1.0 / _FLOAT16_SUBNORMAL_STEP), uniform)
+        ),
+        _FLOAT16_SUBNORMAL_STEP,
+    )
+    rounded = ops.where(
+        ops.less(ops.abs(value), _FLOAT16_MIN_NORMAL), grid, rounded
+    )
+    return ops.where(ops.greater(ops.abs(value), _FLOAT16_MAX), value, rounded)
 
 
 def kahan_read(weight, compensation):

@@ -8,15 +8,15 @@ the inner optimizer's own `assign`, `assign_add` and `assign_sub` the same
 way, on that one instance only: nothing in Keras is patched.
 """
 
-import types
+import contextlib
 import weakref
 
-import keras
 from keras import ops
 
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import quantized_slots
-from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
+from keras_dtype_policy.low_precision.stand_ins import StandIn
+from keras_dtype_policy.low_precision.stand_ins import as_float32
 
 # The methods `route_writes` sets on an inner optimizer.
 ROUTED_METHODS = (
@@ -27,15 +27,15 @@ ROUTED_METHODS = (
     "add_variable_from_reference",
     "load_own_variables",
 )
-_routed = weakref.WeakSet()
+_routed: weakref.WeakSet = weakref.WeakSet()
 
 
-class Float32View(keras.Variable):
+class Float32View(StandIn):
     """A float32 stand-in for a weight, for the inner optimizer.
 
-    While the inner optimizer builds, the view reports the state dtype, so
-    the slots made from it get that dtype. Its own storage is one float32
-    scalar; its shape, name and path are the weight's.
+    While the inner optimizer builds (`building`), the view reports the
+    state dtype, so the slots made from it get that dtype. Its shape, name
+    and path are the weight's.
 
     Args:
         owner: The `LowPrecisionOptimizer`, whose `_write` rounds writes.
@@ -49,27 +49,18 @@ class Float32View(keras.Variable):
         self.weight = weight
         self.compensation = compensation
         self.slot_dtype = slot_dtype
-        self._building = False
-        # The float32 tensor a batched step updates in place, or None.
-        self.working = None
-        # While its own scalar is made, the view has the scalar's shape (a
-        # distribution lays the scalar out by it).
-        self._making_storage = True
+        # True while the inner optimizer builds on the view.
+        self.building = False
         super().__init__(
-            0.0,
-            dtype="float32",
-            trainable=False,
-            autocast=False,
-            name=f"{weight.name}_float32_view",
+            shape=weight.shape,
+            name=weight.name,
+            path=weight.path,
+            storage_name=f"{weight.name}_float32_view",
         )
-        self._making_storage = False
         self._layout = getattr(weight, "_layout", None)
 
-    @property
-    def value(self):
-        if self.working is not None:
-            return self.working
-        if self._building:
+    def stored_value(self):
+        if self.building:
             return self.weight.value
         if self.compensation is not None:
             return compensated_updates.kahan_read(
@@ -79,31 +70,11 @@ class Float32View(keras.Variable):
 
     @property
     def dtype(self):
-        if not self._building or quantized_slots.quantized_bits(
-            self.slot_dtype
-        ):
+        if not self.building or quantized_slots.quantized_bits(self.slot_dtype):
             # Quantized slots come from `add_variable_from_reference`;
             # anything else the inner optimizer makes is float32.
             return "float32"
         return self.slot_dtype
-
-    @property
-    def shape(self):
-        if self._making_storage:
-            return self._shape
-        return self.weight.shape
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def name(self):
-        return self.weight.name
-
-    @property
-    def path(self):
-        return self.weight.path
 
     @property
     def trainable(self):
@@ -113,37 +84,24 @@ class Float32View(keras.Variable):
     def trainable(self, value):
         pass
 
-    @property
-    def constraint(self):
-        return None
-
-    @constraint.setter
-    def constraint(self, value):
-        pass
-
-    @property
-    def overwrite_with_gradient(self):
-        return False
-
-    @overwrite_with_gradient.setter
-    def overwrite_with_gradient(self, value):
-        pass
-
-    def numpy(self):
-        return ops.convert_to_numpy(self.value)
-
     def assign(self, value):
-        self.owner._write(self, _dense(value))
+        self.owner._write(self, ops.convert_to_tensor(value))
         return value
-
-    def assign_add(self, value):
-        return self.assign(ops.add(self.value, _as_float32(value)))
-
-    def assign_sub(self, value):
-        return self.assign(ops.subtract(self.value, _as_float32(value)))
 
     def __repr__(self):
         return f"<float32 view of {self.weight.path}>"
+
+
+@contextlib.contextmanager
+def building(views):
+    """Within it, `views` report the state dtype (see `Float32View`)."""
+    for view in views:
+        view.building = True
+    try:
+        yield
+    finally:
+        for view in views:
+            view.building = False
 
 
 def route_writes(inner, wrapper):
@@ -153,75 +111,87 @@ def route_writes(inner, wrapper):
     (for TensorFlow, which would read a view's value),
     `add_variable_from_reference` (which makes quantized slots, see
     `quantized_slots`) and `load_own_variables` (the wrapper loads the
-    inner's saved values with its own) are replaced.
+    inner's saved values with its own) are replaced, by the methods of a
+    `_RoutedWrites`.
 
     Args:
         inner: The inner `keras.optimizers.Optimizer`.
         wrapper: The `LowPrecisionOptimizer` around it.
     """
-    # A flag, not the wrapper: saving walks the optimizer's attributes.
-    if getattr(inner, "_writes_routed", False):
+    if inner in _routed:
         return
-    inner._writes_routed = True
     _routed.add(inner)
-    inner_class = type(inner)
-    targets = wrapper._targets
+    routed = _RoutedWrites(inner, wrapper)
+    for name in ROUTED_METHODS:
+        # Bound methods of `routed`: saving, which walks the optimizer's
+        # attributes, does not follow them to the wrapper.
+        setattr(inner, name, getattr(routed, name))
 
-    def written(self, variable, value, combine):
-        if isinstance(variable, (Float32View, QuantizedSlot)):
-            variable.assign(combine(variable.value, _as_float32(value)))
+
+class _RoutedWrites:
+    """The methods `route_writes` sets on one inner optimizer.
+
+    Args:
+        inner: The inner optimizer.
+        wrapper: The `LowPrecisionOptimizer` around it.
+    """
+
+    def __init__(self, inner, wrapper):
+        self.inner = inner
+        # The class whose methods take what is not routed.
+        self.keras_methods = type(inner)
+        self.wrapper = wrapper
+
+    def _written(self, variable, value, combine):
+        """Writes `combine(current, value)` where the variable is one of
+        the wrapper's; returns False for any other variable."""
+        if isinstance(variable, StandIn):
+            variable.assign(combine(variable.value, as_float32(value)))
             return True
-        slot = targets.rounded_slots.get(id(variable))
+        slot = self.wrapper._targets.rounded_slots.get(id(variable))
         if slot is None:
             return False
         current = ops.cast(slot.value, "float32")
-        wrapper._write_slot(slot, combine(current, _as_float32(value)))
+        self.wrapper._write_slot(slot, combine(current, as_float32(value)))
         return True
 
     def assign(self, variable, value):
-        if not written(self, variable, value, lambda _, new: new):
-            inner_class.assign(self, variable, value)
+        if not self._written(variable, value, _replaced):
+            self.keras_methods.assign(self.inner, variable, value)
 
     def assign_add(self, variable, value):
-        if not written(self, variable, value, ops.add):
-            inner_class.assign_add(self, variable, value)
+        if not self._written(variable, value, ops.add):
+            self.keras_methods.assign_add(self.inner, variable, value)
 
     def assign_sub(self, variable, value):
-        if not written(self, variable, value, ops.subtract):
-            inner_class.assign_sub(self, variable, value)
+        if not self._written(variable, value, ops.subtract):
+            self.keras_methods.assign_sub(self.inner, variable, value)
 
     def _var_key(self, variable):
-        if isinstance(variable, (Float32View, QuantizedSlot)):
+        if isinstance(variable, StandIn):
             return id(variable)
-        return inner_class._var_key(self, variable)
+        return self.keras_methods._var_key(self.inner, variable)
 
-    add_variable_from_reference = quantized_slots.make_slot_creation(
-        inner, wrapper
-    )
+    def add_variable_from_reference(
+        self, reference_variable, name=None, initializer="zeros"
+    ):
+        slot = quantized_slots.new_slot(
+            self.wrapper, self.inner, reference_variable, name, initializer
+        )
+        if slot is not None:
+            return slot
+        return self.keras_methods.add_variable_from_reference(
+            self.inner, reference_variable, name=name, initializer=initializer
+        )
 
     def load_own_variables(self, store):
         # The wrapper's saved values hold the inner optimizer's: they load
         # (or are skipped) all together, never the inner's alone.
         pass
 
-    for method in (
-        assign,
-        assign_add,
-        assign_sub,
-        _var_key,
-        add_variable_from_reference,
-        load_own_variables,
-    ):
-        setattr(inner, method.__name__, types.MethodType(method, inner))
 
-
-def _dense(value):
-    """A tensor of `value`; TensorFlow's `IndexedSlices` become dense."""
-    return ops.convert_to_tensor(value)
-
-
-def _as_float32(value):
-    return ops.cast(_dense(value), "float32")
+def _replaced(current, new):
+    return new
 
 
 def unroute_all():
@@ -234,5 +204,4 @@ def unroute_all():
     for inner in list(_routed):
         for name in ROUTED_METHODS:
             vars(inner).pop(name, None)
-        inner._writes_routed = False
     _routed.clear()

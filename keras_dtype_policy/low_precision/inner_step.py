@@ -5,39 +5,32 @@
 around those updates is done here: summing the replicas' gradients under
 `tf.distribute`, and advancing state kept once a step (Nadam's).
 
-TensorFlow is imported inside a function, only once Keras runs on it.
+The TensorFlow part is `tensorflow_step.summed_across_replicas`, reached
+through `backend_dispatch`.
 """
 
 import keras
 from keras import ops
 
+from keras_dtype_policy import backend_dispatch
+
 
 def summed_across_replicas(grads):
     """Sums each replica's gradients under a `tf.distribute` strategy.
 
-    Keras' trainer hands the optimizer each replica's local gradients, and
-    its TensorFlow optimizer sums them before the update. Every replica then
-    writes the same values into its copy of each variable.
+    Only TensorFlow hands the optimizer each replica's own gradients;
+    elsewhere they come summed (see `tensorflow_step.summed_across_replicas`).
 
     Args:
         grads: This replica's gradients.
 
     Returns:
-        The gradients summed over the replicas, or `grads` unchanged
-        outside a strategy's replica context with several replicas.
+        The gradients summed over the replicas, or `grads` unchanged.
     """
-    if keras.backend.backend() != "tensorflow":
+    if not backend_dispatch.is_tensorflow():
         return grads
-    import tensorflow as tf
-
-    if not tf.distribute.has_strategy() or (
-        tf.distribute.in_cross_replica_context()
-    ):
-        return grads
-    context = tf.distribute.get_replica_context()
-    if context.num_replicas_in_sync == 1:
-        return grads
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+    step = backend_dispatch.module_for("low_precision_step")
+    return step.summed_across_replicas(grads)
 
 
 def advance_step_state(inner):

@@ -1,21 +1,38 @@
 """`LowPrecisionOptimizer`: training bfloat16 and float16 weights."""
 
 import copy
+import typing
 
 import keras
 from keras import ops
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import float32_views
 from keras_dtype_policy.low_precision import inner_step
 from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.low_precision import quantized_slots
 from keras_dtype_policy.low_precision import state_sharding
-from keras_dtype_policy.low_precision import tensorflow_step
-from keras_dtype_policy.low_precision import torch_step
 from keras_dtype_policy.low_precision.float32_views import Float32View
 from keras_dtype_policy.low_precision.float32_views import route_writes
+from keras_dtype_policy.low_precision.step_targets import StepTargets
 from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.types import Tensor
+
+
+class PreparedStep(typing.NamedTuple):
+    """What comes before the per-variable updates of a step.
+
+    Attributes:
+        grads: The gradients, summed across replicas, unscaled, clipped.
+        variables: Their variables (those without a gradient left out).
+        learning_rate: The learning rate of the step.
+    """
+
+    grads: list
+    variables: list
+    learning_rate: object
 
 
 @register
@@ -54,12 +71,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        inner_optimizer,
-        update="kahan",
-        state_dtype=None,
-        seed=None,
-        name=None,
-    ):
+        inner_optimizer: keras.optimizers.Optimizer,
+        update: str = "kahan",
+        state_dtype: str | None = None,
+        seed: int | None = None,
+        name: str | None = None,
+    ) -> None:
         arguments.check_inner_optimizer(inner_optimizer, LowPrecisionOptimizer)
         update = arguments.check_update(update)
         state_dtype = arguments.check_state_dtype(state_dtype)
@@ -69,107 +86,131 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._update = update
         self._state_dtype = state_dtype
         self._seed = seed
-        self._targets = _Targets()
+        self._targets = StepTargets()
         self.seed_generator = None
         route_writes(inner_optimizer, self)
 
     @property
-    def update(self):
+    def update(self) -> str:
         """How results are written: `"kahan"`, `"stochastic_rounding"` or
         `"nearest"`."""
         return self._update
 
     @property
-    def state_dtype(self):
+    def state_dtype(self) -> str | None:
         """The dtype of the optimizer state, or None for each weight's."""
         return self._state_dtype
 
     @property
-    def seed(self):
+    def seed(self) -> int | None:
         """The seed of the random rounding, or None."""
         return self._seed
 
     @property
-    def quantized_slots(self):
+    def quantized_slots(self) -> list:
         """The slots stored as 8-bit or 4-bit codes (`QuantizedSlot`s), in
         the order they were made; empty before `build` or without
         quantized state."""
         return list(self._targets.quantized_slots.values())
 
     @property
-    def variables(self):
+    def variables(self) -> list:
         return self._variables + self.inner_optimizer.variables
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> typing.Any:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
         self.inner_optimizer.learning_rate = learning_rate
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Tensor) -> Tensor:
         return self.inner_optimizer.scale_loss(loss)
 
-    def compensation_of(self, variable):
+    def compensation_of(
+        self, variable: keras.Variable
+    ) -> keras.Variable | None:
         """Returns the compensation buffer of a weight, or None."""
         view = self._targets.views.get(id(variable))
         return None if view is None else view.compensation
 
-    def build(self, var_list):
+    def build(self, var_list: list) -> None:
         if self.built:
             return
         # Wrapped by `compile` around a sharded optimizer: shard ours too.
         state_sharding.follow_inner(self)
         var_list = list(var_list)
         super().build(var_list)
-        targets = self._targets
-        slot_dtypes = []
         for variable in var_list:
-            weight_dtype = keras.backend.standardize_dtype(variable.dtype)
-            slot_dtype = self._state_dtype or weight_dtype
-            if quantized_slots.quantized_bits(slot_dtype) and not (
-                keras.backend.is_float_dtype(weight_dtype)
-                and quantized_slots.is_quantizable(variable)
-            ):
-                slot_dtype = "float32"
-            low = compensated_updates.is_low_precision(weight_dtype)
-            if not keras.backend.is_float_dtype(weight_dtype) or (
-                not low and slot_dtype == weight_dtype
-            ):
-                targets.order.append(variable)
-                continue
-            compensation = None
-            if low and self._update == "kahan":
-                compensation = self.add_variable(
-                    shape=variable.shape,
-                    dtype=weight_dtype,
-                    name=_slot_name(variable, "compensation"),
-                    layout=getattr(variable, "_layout", None),
+            self._add_target(variable)
+        self._build_inner()
+        self._find_rounded_slots()
+        if self._rounds_at_random(var_list):
+            with keras.name_scope(self.name, caller=self):
+                self.seed_generator = keras.random.SeedGenerator(
+                    self._seed, name="rounding_seed"
                 )
-            view = Float32View(self, variable, compensation, slot_dtype)
-            targets.views[id(variable)] = view
-            targets.order.append(view)
-            slot_dtypes.append(slot_dtype)
+            self._track_variable(self.seed_generator.state)
+
+    def _add_target(self, variable):
+        """Adds what the inner optimizer builds on for `variable`: the
+        variable itself, or a `Float32View` of it (with its compensation
+        buffer under `update="kahan"`)."""
+        weight_dtype = keras.backend.standardize_dtype(variable.dtype)
+        slot_dtype = self._slot_dtype(variable, weight_dtype)
+        low = compensated_updates.is_low_precision(weight_dtype)
+        if not keras.backend.is_float_dtype(weight_dtype) or (
+            not low and slot_dtype == weight_dtype
+        ):
+            self._targets.order.append(variable)
+            return
+        compensation = None
+        if low and self._update == "kahan":
+            compensation = self.add_variable(
+                shape=variable.shape,
+                dtype=weight_dtype,
+                name=_slot_name(variable, "compensation"),
+                layout=getattr(variable, "_layout", None),
+            )
+        view = Float32View(self, variable, compensation, slot_dtype)
+        self._targets.views[id(variable)] = view
+        self._targets.order.append(view)
+
+    def _slot_dtype(self, variable, weight_dtype):
+        """The dtype of the state of `variable`: `state_dtype` or the
+        weight's, float32 where quantized state does not apply (an
+        integer weight, or one below `MIN_QUANTIZED_SIZE`)."""
+        slot_dtype = self._state_dtype or weight_dtype
+        if quantized_slots.quantized_bits(slot_dtype) and not (
+            keras.backend.is_float_dtype(weight_dtype)
+            and quantized_slots.is_quantizable(variable)
+        ):
+            return "float32"
+        return slot_dtype
+
+    def _build_inner(self):
+        """Builds the inner optimizer on the targets, its writes routed."""
         inner = self.inner_optimizer
+        targets = self._targets
         route_writes(inner, self)
-        for view in targets.views.values():
-            view._building = True
-        try:
+        with float32_views.building(targets.views.values()):
             inner.build(targets.order)
-        finally:
-            for view in targets.views.values():
-                view._building = False
         # Keras tracks the slots the inner optimizer keeps in its lists;
         # a quantized slot's state is its codes and scales, the wrapper's.
         tracked = inner._variables
         for index in reversed(range(len(tracked))):
             if id(tracked[index]) in targets.quantized_slots:
                 del tracked[index]
+
+    def _find_rounded_slots(self):
+        """Records the inner optimizer's slots stored in bfloat16 or
+        float16 (not its step count or learning rate)."""
+        inner = self.inner_optimizer
         skip = {id(inner._iterations)}
         if isinstance(inner._learning_rate, keras.Variable):
             skip.add(id(inner._learning_rate))
@@ -177,21 +218,23 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             if id(slot) not in skip and compensated_updates.is_low_precision(
                 slot.dtype
             ):
-                targets.rounded_slots[id(slot)] = slot
+                self._targets.rounded_slots[id(slot)] = slot
+
+    def _rounds_at_random(self, var_list):
+        """True where a step draws random bits: stochastic rounding of a
+        low-precision weight, or of narrow or quantized state."""
+        targets = self._targets
         stochastic_weights = self._update == "stochastic_rounding" and any(
             compensated_updates.is_low_precision(v.dtype) for v in var_list
         )
         stochastic_slots = self._update != "nearest" and bool(
             targets.rounded_slots or targets.quantized_slots
         )
-        if stochastic_weights or stochastic_slots:
-            with keras.name_scope(self.name, caller=self):
-                self.seed_generator = keras.random.SeedGenerator(
-                    self._seed, name="rounding_seed"
-                )
-            self._track_variable(self.seed_generator.state)
+        return stochastic_weights or stochastic_slots
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(
+        self, grads: list[Tensor], trainable_variables: list | None = None
+    ) -> None:
         """Applies one step: the inner optimizer's, with rounded writes."""
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -204,28 +247,20 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             return self.inner_optimizer.apply(grads, trainable_variables)
         # Put back if `keras_dtype_policy.uninstall()` took them off.
         route_writes(self.inner_optimizer, self)
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                return self._apply(grads, trainable_variables)
-        if tensorflow_step.can_compile(self):
-            if tensorflow_step.in_groups(trainable_variables):
-                return tensorflow_step.grouped_apply(
-                    self, grads, trainable_variables
-                )
-            return tensorflow_step.compiled_apply(
-                self, grads, trainable_variables
-            )
-        return self._apply(grads, trainable_variables)
+        # TensorFlow's compiles the step, torch's turns autograd off; JAX
+        # has none (`fit` compiles the whole step).
+        backend_apply = backend_dispatch.module_for("low_precision_apply")
+        if backend_apply is None:
+            return self._apply(grads, trainable_variables)
+        return backend_apply.apply(self, grads, trainable_variables)
 
     def _apply(self, grads, trainable_variables):
         inner = self.inner_optimizer
         with keras.name_scope(inner.name, caller=inner):
-            grads, variables, learning_rate = self._prepare_step(
-                grads, trainable_variables
+            prepared = self._prepare_step(grads, trainable_variables)
+            self._run_updates(
+                prepared.grads, prepared.variables, prepared.learning_rate
             )
-            self._run_updates(grads, variables, learning_rate)
             inner._iterations.assign_add(1)
 
     def _prepare_step(self, grads, trainable_variables):
@@ -234,8 +269,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         inner optimizer advances once a step.
 
         Returns:
-            `(grads, variables, learning_rate)`, without the variables
-            that got no gradient.
+            A `PreparedStep`.
         """
         inner = self.inner_optimizer
         pairs = [
@@ -259,14 +293,19 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         grads = inner._clip_gradients(grads)
         learning_rate = inner.learning_rate
         inner_step.advance_step_state(inner)
-        return grads, [v for _, v in pairs], learning_rate
+        return PreparedStep(grads, [v for _, v in pairs], learning_rate)
 
     def _run_updates(self, grads, variables, learning_rate):
         """The per-variable updates of `variables` (all, or a group)."""
+        torch_step = None
+        if backend_dispatch.is_torch():
+            torch_step = backend_dispatch.module_for("low_precision_step")
         self._targets.in_step = True
         try:
-            if torch_step.can_batch(self):
-                self._batched_updates(grads, variables, learning_rate)
+            if torch_step is not None and torch_step.can_batch(self):
+                self._batched_updates(
+                    torch_step, grads, variables, learning_rate
+                )
             else:
                 self._updates(grads, variables, learning_rate)
         finally:
@@ -297,8 +336,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                     variable.constraint(ops.convert_to_tensor(target))
                 )
 
-    def _batched_updates(self, grads, variables, learning_rate):
-        """All variables' updates as batched torch operations."""
+    def _batched_updates(self, torch_step, grads, variables, learning_rate):
+        """All variables' updates as batched torch operations (by the
+        module `torch_step`)."""
         batched_grads, batched = [], []
         for grad, variable in zip(grads, variables, strict=True):
             if getattr(variable, "overwrite_with_gradient", False):
@@ -345,15 +385,15 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             value, slot.dtype, self.seed_generator
         )
 
-    def state_rounding_seed(self):
+    def state_rounding_seed(self) -> keras.random.SeedGenerator | None:
         """The seed of stochastic rounding of the state, or None where it
         rounds to nearest (`update="nearest"`)."""
         return None if self._update == "nearest" else self.seed_generator
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: typing.Any) -> None:
         """Loads the saved state, refusing values that make no sense (a
         negative step count, a learning rate that is not finite)."""
         values = [store[str(i)] for i in range(len(store.keys()))]
@@ -361,7 +401,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             optimizer_values.check_saved(self.variables, values)
         super().load_own_variables(store)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, typing.Any]:
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(
@@ -373,7 +413,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls,
+        config: dict[str, typing.Any],
+        custom_objects: dict[str, typing.Any] | None = None,
+    ) -> "LowPrecisionOptimizer":
         config = dict(config)
         inner_optimizer = config.pop("inner_optimizer", None)
         if isinstance(inner_optimizer, dict):
@@ -391,19 +435,6 @@ def _clips(optimizer):
         getattr(optimizer, name, None) is not None
         for name in ("clipnorm", "clipvalue", "global_clipnorm")
     )
-
-
-class _Targets:
-    """What the wrapper built, kept out of Keras' variable tracking."""
-
-    def __init__(self):
-        self.views = {}
-        self.order = []
-        self.rounded_slots = {}
-        self.quantized_slots = {}
-        # True while a step runs: a quantized slot then keeps the float32
-        # value written into it for the rest of the step.
-        self.in_step = False
 
 
 def _slot_name(variable, name):

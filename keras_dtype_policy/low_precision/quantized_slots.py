@@ -17,13 +17,19 @@ biases and normalization scales are a negligible share of memory, and
 8 bits of a noisy small tensor would buy nothing.
 """
 
+import functools
+
 import keras
 from keras import ops
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import block_codes
+from keras_dtype_policy.low_precision.stand_ins import StandIn
 
 QUANTIZED_STATE_DTYPES = {"8bit": 8, "4bit": 4}
-# bitsandbytes' and torchao's threshold: smaller tensors stay in 32 bits.
+# bitsandbytes' and torchao's threshold: smaller tensors stay in 32 bits
+# (`min_8bit_size=4096` of bitsandbytes' 8-bit optimizers, in its
+# `bitsandbytes/optim/optimizer.py`; torchao's `torchao/optim/adam.py`).
 MIN_QUANTIZED_SIZE = 4096
 # Slots of Keras' optimizers that hold no negative value.
 _UNSIGNED_SLOTS = frozenset(
@@ -36,7 +42,6 @@ _UNSIGNED_SLOTS = frozenset(
         "accumulated_delta_var",
     )
 )
-_KERAS_OPTIMIZERS = "keras.src."
 
 
 def quantized_bits(state_dtype):
@@ -46,23 +51,49 @@ def quantized_bits(state_dtype):
 
 def is_quantizable(variable):
     """True where a weight is large enough for quantized state."""
-    size = 1
-    for dimension in variable.shape:
-        size *= int(dimension)
-    return size >= MIN_QUANTIZED_SIZE
+    return block_codes.element_count(variable.shape) >= MIN_QUANTIZED_SIZE
 
 
 def slot_code(inner, name, bits):
     """Returns the `block_codes.Code` of the inner optimizer's slot `name`."""
-    own = type(inner).__module__.startswith(_KERAS_OPTIMIZERS)
+    own = type(inner) in keras_optimizer_classes(backend_dispatch.name())
     return block_codes.code_for(bits, not (own and name in _UNSIGNED_SLOTS))
 
 
-class QuantizedSlot(keras.Variable):
+@functools.cache
+def keras_optimizer_classes(backend):
+    """Keras' own optimizer classes on `backend` (the current one).
+
+    The classes `keras.optimizers` exports, and the class Keras makes of
+    each on the backend (on torch, `keras.optimizers.Adam(...)` is an
+    instance of Keras' torch Adam, a subclass), matched by identity: a
+    subclass of the user's may change what its slots hold.
+
+    Args:
+        backend: The backend's name, which the answer depends on.
+
+    Returns:
+        A frozenset of classes.
+    """
+    del backend  # The cache's key: `__new__` below answers for it.
+    exported = [
+        value
+        for value in vars(keras.optimizers).values()
+        if isinstance(value, type)
+        and issubclass(value, keras.optimizers.Optimizer)
+    ]
+    # `__new__` alone picks the class, as constructing does, and makes no
+    # variable.
+    made = [type(cls.__new__(cls)) for cls in exported]
+    return frozenset(exported + made)
+
+
+class QuantizedSlot(StandIn):
     """An optimizer slot stored as codes and scales.
 
-    Its own storage is one float32 scalar; its shape, name and path are
-    those of the slot it stands for.
+    Its shape, name and path are those of the slot it stands for; its
+    float32 value is that of its codes and scales (the working value
+    within a step).
 
     Args:
         owner: The `LowPrecisionOptimizer`, whose seed rounds the writes.
@@ -75,144 +106,94 @@ class QuantizedSlot(keras.Variable):
     def __init__(self, owner, reference, name, code, initializer="zeros"):
         self.owner = owner
         self.code = code
-        self.slot_shape = tuple(int(d) for d in reference.shape)
-        self.slot_name = f"{reference.path.replace('/', '_')}_{name}"
-        self.size = 1
-        for dimension in self.slot_shape:
-            self.size *= dimension
-        blocks = block_codes.block_count(self.size, code)
-        initial = None
-        if not _is_zeros(initializer):
-            initial = keras.initializers.get(initializer)(
-                self.slot_shape, "float32"
-            )
-        codes, scales = _initial_codes(initial, code, blocks, self.size)
-        self.codes = owner.add_variable(
-            shape=(blocks, code.bytes_per_block),
-            dtype="int8",
-            initializer=codes,
-            name=f"{self.slot_name}_codes",
+        shape = tuple(int(d) for d in reference.shape)
+        slot_name = f"{reference.path.replace('/', '_')}_{name}"
+        self.size = block_codes.element_count(shape)
+        self.codes, self.scales = _coded_storage(
+            owner, slot_name, code, self.size, initializer, shape
         )
-        self.scales = owner.add_variable(
-            shape=(blocks,),
-            dtype="float32",
-            initializer=scales,
-            name=f"{self.slot_name}_scales",
-        )
-        # The float32 value written this step, read back unrounded.
-        self.working = None
-        self._making_storage = True
         super().__init__(
-            0.0,
-            dtype="float32",
-            trainable=False,
-            autocast=False,
-            name=self.slot_name,
+            shape=shape, name=slot_name, path=slot_name, storage_name=slot_name
         )
-        self._making_storage = False
 
-    @property
-    def value(self):
-        if self.working is not None:
-            return self.working
+    def stored_value(self):
         flat = block_codes.dequantize(
             self.codes.value, self.scales.value, self.code
         )
         if self.size != _padded(self.size, self.code):
             flat = flat[: self.size]
-        return ops.reshape(flat, self.slot_shape)
-
-    @property
-    def dtype(self):
-        return "float32"
-
-    @property
-    def shape(self):
-        if self._making_storage:
-            return self._shape
-        return self.slot_shape
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def name(self):
-        return self.slot_name
-
-    @property
-    def path(self):
-        return self.slot_name
-
-    @property
-    def trainable(self):
-        return False
-
-    @trainable.setter
-    def trainable(self, value):
-        pass
-
-    def numpy(self):
-        return ops.convert_to_numpy(self.value)
+        return ops.reshape(flat, self.shape)
 
     def assign(self, value):
         value = ops.cast(ops.convert_to_tensor(value), "float32")
-        value = ops.reshape(value, self.slot_shape)
+        value = ops.reshape(value, self.shape)
         self.store(value)
         if self.owner._targets.in_step:
             self.working = value
         return value
 
-    def assign_add(self, value):
-        return self.assign(ops.add(self.value, ops.cast(value, "float32")))
-
-    def assign_sub(self, value):
-        return self.assign(ops.subtract(self.value, ops.cast(value, "float32")))
-
     def store(self, value):
         """Quantizes float32 `value` (the slot's shape) into the codes."""
-        flat = ops.reshape(value, (-1,))
-        padding = _padded(self.size, self.code) - self.size
-        if padding:
-            flat = ops.pad(flat, [(0, padding)])
         seed = self.owner.state_rounding_seed()
-        codes, scales = block_codes.quantize(flat, self.code, seed)
+        codes, scales = block_codes.quantize(
+            _padded_flat(value, self.size, self.code), self.code, seed
+        )
         self.codes.assign(codes)
         self.scales.assign(scales)
 
     def __repr__(self):
-        return f"<{self.code.bits}-bit slot {self.slot_name}>"
+        return f"<{self.code.bits}-bit slot {self.name}>"
 
 
-def make_slot_creation(inner, wrapper):
-    """Returns the inner optimizer's `add_variable_from_reference` that
-    gives a `QuantizedSlot` for each slot of a view with quantized state.
+def new_slot(wrapper, inner, reference, name, initializer):
+    """Returns a `QuantizedSlot` for the slot `name` of `reference`, or
+    None where its state is not quantized.
+
+    The inner optimizer's `add_variable_from_reference` asks it first (see
+    `float32_views.route_writes`).
 
     Args:
+        wrapper: The `LowPrecisionOptimizer`.
         inner: The inner `keras.optimizers.Optimizer`.
-        wrapper: The `LowPrecisionOptimizer` around it.
+        reference: The variable the inner optimizer makes a slot for.
+        name: The slot's name, or None.
+        initializer: The slot's initializer.
     """
-    inner_class = type(inner)
+    bits = quantized_bits(getattr(reference, "slot_dtype", None))
+    if bits is None:
+        return None
+    name = name or "var"
+    slot = QuantizedSlot(
+        wrapper, reference, name, slot_code(inner, name, bits), initializer
+    )
+    wrapper._targets.quantized_slots[id(slot)] = slot
+    return slot
 
-    def add_variable_from_reference(
-        self, reference_variable, name=None, initializer="zeros"
-    ):
-        bits = quantized_bits(getattr(reference_variable, "slot_dtype", None))
-        if bits is None:
-            return inner_class.add_variable_from_reference(
-                self, reference_variable, name=name, initializer=initializer
-            )
-        slot = QuantizedSlot(
-            wrapper,
-            reference_variable,
-            name or "var",
-            slot_code(self, name or "var", bits),
-            initializer,
+
+def _coded_storage(owner, slot_name, code, size, initializer, shape):
+    """The codes and scales variables of a slot, made by `owner`."""
+    blocks = block_codes.block_count(size, code)
+    codes, scales = "zeros", "zeros"  # A zero scale makes every code zero.
+    if not _is_zeros(initializer):
+        initial = keras.initializers.get(initializer)(shape, "float32")
+        codes, scales = block_codes.quantize(
+            _padded_flat(initial, size, code), code
         )
-        wrapper._targets.quantized_slots[id(slot)] = slot
-        return slot
-
-    return add_variable_from_reference
+        codes, scales = _Value(codes), _Value(scales)
+    return (
+        owner.add_variable(
+            shape=(blocks, code.bytes_per_block),
+            dtype="int8",
+            initializer=codes,
+            name=f"{slot_name}_codes",
+        ),
+        owner.add_variable(
+            shape=(blocks,),
+            dtype="float32",
+            initializer=scales,
+            name=f"{slot_name}_scales",
+        ),
+    )
 
 
 def _padded(size, code):
@@ -225,17 +206,13 @@ def _is_zeros(initializer):
     return isinstance(initializer, keras.initializers.Zeros)
 
 
-def _initial_codes(initial, code, blocks, size):
-    """Initializers of the codes and scales variables."""
-    if initial is None:
-        # A zero scale makes every code zero.
-        return "zeros", "zeros"
-    flat = ops.reshape(initial, (-1,))
-    padding = blocks * code.block - size
+def _padded_flat(value, size, code):
+    """`value` flat, padded with zeros to whole blocks."""
+    flat = ops.reshape(value, (-1,))
+    padding = _padded(size, code) - size
     if padding:
         flat = ops.pad(flat, [(0, padding)])
-    codes, scales = block_codes.quantize(flat, code)
-    return _Value(codes), _Value(scales)
+    return flat
 
 
 class _Value(keras.initializers.Initializer):

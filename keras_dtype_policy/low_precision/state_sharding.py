@@ -1,5 +1,10 @@
 """Optimizer state split across the data-parallel devices (ZeRO stage 1).
 
+ZeRO's first stage (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", arXiv:1910.02054, section
+5.1, "P_os"): each data-parallel device keeps the optimizer state of its
+own part of the weights only.
+
 Under `keras.distribution` (JAX), Keras lays each optimizer slot out as
 its weight: replicated under `DataParallel`, so every device holds all of
 the state. `shard_optimizer_state` gives each state variable of an
@@ -21,21 +26,29 @@ import weakref
 
 import keras
 
+from keras_dtype_policy import backend_dispatch
+
 # The method `shard_optimizer_state` sets on optimizer instances.
 SHARDING_METHODS = ("add_variable",)
-_sharding = weakref.WeakSet()
+_sharding: weakref.WeakSet = weakref.WeakSet()
 
 _ELSEWHERE = {
-    "tensorflow": "TensorFlow's tf.distribute strategies keep one copy of "
-    "the optimizer state per replica (MirroredStrategy) or place it on "
-    "parameter servers (ParameterServerStrategy)",
-    "torch": "Keras' torch backend has no distribution API; in a "
-    "torch.distributed loop, shard the state with torch's own tools "
-    "(FSDP, or ZeroRedundancyOptimizer for a torch optimizer)",
+    backend_dispatch.TENSORFLOW: (
+        "TensorFlow's tf.distribute strategies keep one copy of the "
+        "optimizer state per replica (MirroredStrategy) or place it on "
+        "parameter servers (ParameterServerStrategy)"
+    ),
+    backend_dispatch.TORCH: (
+        "Keras' torch backend has no distribution API; in a "
+        "torch.distributed loop, shard the state with torch's own tools "
+        "(FSDP, or ZeroRedundancyOptimizer for a torch optimizer)"
+    ),
 }
 
 
-def shard_optimizer_state(optimizer):
+def shard_optimizer_state(
+    optimizer: keras.optimizers.Optimizer,
+) -> keras.optimizers.Optimizer:
     """Splits an optimizer's state across the data-parallel devices.
 
     ZeRO stage 1 on `keras.distribution` (JAX): each state variable (the
@@ -71,8 +84,8 @@ def shard_optimizer_state(optimizer):
             f"Received: optimizer={optimizer!r} (of type "
             f"{type(optimizer).__name__})"
         )
-    backend = keras.backend.backend()
-    if backend != "jax":
+    backend = backend_dispatch.name()
+    if not backend_dispatch.is_jax():
         raise NotImplementedError(
             "shard_optimizer_state works on the JAX backend's "
             f"keras.distribution only. {_ELSEWHERE.get(backend, '')} "

@@ -12,29 +12,86 @@ cannot do inside a replica's function): there the step runs op by op.
 
 XLA keeps every temporary of one computation (the float32 values of 8-bit
 state while it is requantized, the new values of the variables) until the
-computation ends, so a model larger than `GROUP_ELEMENTS` elements is
+computation ends, so a model larger than `XLA_GROUP_ELEMENTS` elements is
 updated group by group, one compiled computation each, after the parts of
 the step that need every gradient (clipping by the global norm, the
 learning rate, Nadam's product) ran once: the step's peak memory is then
 bounded by a group's temporaries, not the whole model's.
 
-TensorFlow is imported inside functions, only once Keras runs on it.
+This module imports TensorFlow at its top: the package reaches it through
+`backend_dispatch.module_for("low_precision_step")`, only on TensorFlow.
 """
 
-import keras
+import dataclasses
+import typing
 
-# The most elements of variables one compiled computation updates.
-GROUP_ELEMENTS = 2**23
+import keras
+import tensorflow as tf
+
+from keras_dtype_policy.low_precision import block_codes
+
+# The most elements of variables one XLA computation updates (the torch
+# step's groups are `torch_step`'s own).
+XLA_GROUP_ELEMENTS = 2**23
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainSettings:
+    """An optimizer's plain Python settings, which a trace freezes.
+
+    Attributes:
+        pairs: `(attribute, value)` of each attribute holding a bool, a
+            number, a string or None, in the optimizer's order.
+    """
+
+    pairs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceKey:
+    """What a compiled step was traced for; any change traces it again.
+
+    Attributes:
+        variables: The `id` of each variable updated, in order.
+        present: For each gradient, whether it is not None.
+        settings: The `PlainSettings` of the optimizer and of each
+            optimizer it wraps, outermost first.
+    """
+
+    variables: tuple
+    present: tuple
+    settings: tuple
+
+
+class CompiledGroup(typing.NamedTuple):
+    """The compiled update of one group, with what it was traced for."""
+
+    key: TraceKey
+    step: typing.Callable
+
+
+def apply(wrapper, grads, trainable_variables):
+    """Runs a `LowPrecisionOptimizer`'s step on TensorFlow.
+
+    As one XLA computation, group by group above `XLA_GROUP_ELEMENTS`
+    elements, or op by op where it cannot compile (`can_compile`).
+
+    Args:
+        wrapper: The `LowPrecisionOptimizer`.
+        grads: The gradients, one per variable (None for none).
+        trainable_variables: The variables.
+    """
+    if not can_compile(wrapper):
+        return wrapper._apply(grads, trainable_variables)
+    if in_groups(trainable_variables):
+        return grouped_apply(wrapper, grads, trainable_variables)
+    return compiled_apply(wrapper, grads, trainable_variables)
 
 
 def can_compile(optimizer):
     """True where `optimizer`'s step runs as one XLA computation."""
-    if keras.backend.backend() != "tensorflow":
-        return False
     if not getattr(optimizer, "jit_compile_step", True):
         return False
-    import tensorflow as tf
-
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         if strategy.num_replicas_in_sync > 1:
@@ -58,14 +115,12 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
         trainable_variables: The variables.
         step: The function to compile; defaults to `optimizer._apply`.
     """
-    import tensorflow as tf
-
     step_function = step or optimizer._apply
     present = tuple(g is not None for g in grads)
-    key = (
-        tuple(id(v) for v in trainable_variables),
-        present,
-        _settings(optimizer),
+    key = TraceKey(
+        variables=tuple(id(v) for v in trainable_variables),
+        present=present,
+        settings=_settings(optimizer),
     )
     cache = optimizer.__dict__.setdefault("_compiled_steps", {})
     compiled = cache.get(key)
@@ -88,16 +143,16 @@ def in_groups(variables):
     """True where the step over `variables` runs group by group: not
     inside a computation being traced (the package's `LossScaleOptimizer`
     compiles its whole step), where groups would be one computation."""
-    import tensorflow as tf
-
-    return _elements(variables) > GROUP_ELEMENTS and not tf.inside_function()
+    return (
+        _elements(variables) > XLA_GROUP_ELEMENTS and not tf.inside_function()
+    )
 
 
 def grouped_apply(optimizer, grads, trainable_variables):
     """Runs a `LowPrecisionOptimizer`'s step group by group.
 
     The gradients are prepared once (summed, unscaled, clipped), then each
-    group of variables of at most `GROUP_ELEMENTS` elements (a larger
+    group of variables of at most `XLA_GROUP_ELEMENTS` elements (a larger
     variable alone) is updated by its own compiled computation, traced
     once per group; the iteration count advances at the end.
 
@@ -106,40 +161,67 @@ def grouped_apply(optimizer, grads, trainable_variables):
         grads: The gradients, one per variable (None for none).
         trainable_variables: The variables.
     """
-    import tensorflow as tf
-
     inner = optimizer.inner_optimizer
     # Dense, as the one computation of `compiled_apply` makes them (an
     # embedding's gradient is a `tf.IndexedSlices`).
     grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     with keras.name_scope(inner.name, caller=inner):
-        grads, variables, learning_rate = optimizer._prepare_step(
-            grads, list(trainable_variables)
-        )
-        learning_rate = tf.cast(learning_rate, "float32")
+        prepared = optimizer._prepare_step(grads, list(trainable_variables))
+        grads = prepared.grads
+        learning_rate = tf.cast(prepared.learning_rate, "float32")
         cache = optimizer.__dict__.setdefault("_compiled_groups", {})
         settings = _settings(optimizer)
-        groups = list(_groups(variables))
+        groups = list(_groups(prepared.variables))
         if len(cache) > len(groups):
             cache.clear()
         start = 0
         for index, group in enumerate(groups):
             group_grads = grads[start : start + len(group)]
             start += len(group)
-            key = (tuple(id(v) for v in group), settings)
+            key = TraceKey(tuple(id(v) for v in group), (), settings)
             held = cache.get(index)
-            if held is None or held[0] != key:
-                held = (key, _group_step(optimizer, group))
+            if held is None or held.key != key:
+                held = CompiledGroup(key, _group_step(optimizer, group))
                 cache[index] = held
-            held[1](
+            held.step(
                 [tf.convert_to_tensor(g) for g in group_grads], learning_rate
             )
         inner._iterations.assign_add(1)
 
 
+def summed_across_replicas(grads):
+    """Sums each replica's gradients under a `tf.distribute` strategy.
+
+    Keras' trainer hands the optimizer each replica's local gradients, and
+    its TensorFlow optimizer sums them before the update. Every replica then
+    writes the same values into its copy of each variable.
+
+    Args:
+        grads: This replica's gradients.
+
+    Returns:
+        The gradients summed over the replicas, or `grads` unchanged
+        outside a strategy's replica context with several replicas.
+    """
+    if not tf.distribute.has_strategy() or (
+        tf.distribute.in_cross_replica_context()
+    ):
+        return grads
+    context = tf.distribute.get_replica_context()
+    if context.num_replicas_in_sync == 1:
+        return grads
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+
+
+def has_sparse(grads):
+    """True if a gradient is a `tf.IndexedSlices` (or `tf.SparseTensor`)."""
+    return any(
+        isinstance(g, (tf.IndexedSlices, tf.SparseTensor)) for g in grads
+    )
+
+
 def _group_step(optimizer, group):
     """The compiled update of one group of variables."""
-    import tensorflow as tf
 
     def run(grads, learning_rate):
         optimizer._run_updates(grads, group, learning_rate)
@@ -149,12 +231,12 @@ def _group_step(optimizer, group):
 
 
 def _groups(variables):
-    """`variables` in order, in groups of at most `GROUP_ELEMENTS`
+    """`variables` in order, in groups of at most `XLA_GROUP_ELEMENTS`
     elements (a larger variable in a group of its own)."""
     group, filled = [], 0
     for variable in variables:
-        size = _elements([variable])
-        if group and filled + size > GROUP_ELEMENTS:
+        size = block_codes.element_count(variable.shape)
+        if group and filled + size > XLA_GROUP_ELEMENTS:
             yield group
             group, filled = [], 0
         group.append(variable)
@@ -164,33 +246,22 @@ def _groups(variables):
 
 
 def _elements(variables):
-    total = 0
-    for variable in variables:
-        count = 1
-        for dimension in variable.shape:
-            count *= int(dimension)
-        total += count
-    return total
+    return sum(block_codes.element_count(v.shape) for v in variables)
 
 
 def _settings(optimizer):
-    """The plain Python settings of `optimizer` and the optimizers it
-    wraps, which a trace freezes."""
+    """The `PlainSettings` of `optimizer` and of the optimizers it wraps,
+    outermost first."""
     settings = []
     while optimizer is not None:
         settings.append(
-            tuple(
-                (name, value)
-                for name, value in vars(optimizer).items()
-                if isinstance(value, (bool, int, float, str, type(None)))
+            PlainSettings(
+                tuple(
+                    (name, value)
+                    for name, value in vars(optimizer).items()
+                    if isinstance(value, (bool, int, float, str, type(None)))
+                )
             )
         )
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return tuple(settings)
-
-
-def has_sparse(grads):
-    """True if a gradient is a `tf.IndexedSlices`."""
-    return any(
-        hasattr(g, "indices") and hasattr(g, "dense_shape") for g in grads
-    )

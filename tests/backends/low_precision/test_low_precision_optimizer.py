@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from testing import BACKEND
 from testing import assert_serialization_round_trip
+from testing import inner_optimizers
 from testing import to_numpy
 
 import keras_dtype_policy
@@ -221,19 +222,9 @@ class HalvingSGD(keras.optimizers.Optimizer):
         )
 
 
+# Every row of the shared table (tests/backends/testing.py), and a user's.
 BUILT_IN = {
-    "SGD": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "Adam": lambda: keras.optimizers.Adam(0.01),
-    "AdamW": lambda: keras.optimizers.AdamW(0.01),
-    "RMSprop": lambda: keras.optimizers.RMSprop(0.01),
-    "Adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "Adadelta": lambda: keras.optimizers.Adadelta(1.0),
-    "Adamax": lambda: keras.optimizers.Adamax(0.02),
-    "Nadam": lambda: keras.optimizers.Nadam(0.01),
-    "Lion": lambda: keras.optimizers.Lion(0.02),
-    "Lamb": lambda: keras.optimizers.Lamb(0.01),
-    "Ftrl": lambda: keras.optimizers.Ftrl(0.2),
-    "Adafactor": lambda: keras.optimizers.Adafactor(0.05),
+    **inner_optimizers(),
     "user": lambda: HalvingSGD(learning_rate=0.2),
 }
 
@@ -271,7 +262,7 @@ def least_squares_loss_and_gradients(x, y, kernel, bias):
 @pytest.mark.parametrize("name", sorted(BUILT_IN))
 def test_every_optimizer_trains_bfloat16_weights(name):
     # Eager steps on a least-squares problem: no model to compile, so the
-    # thirteen cases stay fast on every backend.
+    # cases stay fast on every backend.
     x, y = regression_data(samples=64)
     x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
     kernel = keras.Variable(np.zeros((8, 1), "float32"), dtype="bfloat16")

@@ -1,0 +1,35 @@
+"""`StepTargets`: what a `LowPrecisionOptimizer` built for its step."""
+
+import dataclasses
+
+# `StepTargets.slots_by_variable` before the torch step first looks.
+NOT_COMPUTED = object()
+
+
+@dataclasses.dataclass
+class StepTargets:
+    """What the wrapper built, kept out of Keras' variable tracking.
+
+    Attributes:
+        views: `{id(weight): Float32View}` of the low-precision weights.
+        order: The inner optimizer's variables, in the order it built on.
+        rounded_slots: `{id(slot): ...}` of the slots stored narrow.
+        quantized_slots: `{id(slot): QuantizedSlot}` of the coded slots.
+        in_step: True while a step runs: a quantized slot then keeps the
+            float32 value written into it for the rest of the step.
+        slots_by_variable: The torch step's `{id(weight): [slots]}`;
+            `NOT_COMPUTED` until first asked, None where it cannot tell.
+        torch_arena: The torch step's float32 working space, reused from
+            step to step (None until the first torch step).
+        coded_adam_space: The torch Adam kernel's staging space, by
+            `(name, dtype)`.
+    """
+
+    views: dict = dataclasses.field(default_factory=dict)
+    order: list = dataclasses.field(default_factory=list)
+    rounded_slots: dict = dataclasses.field(default_factory=dict)
+    quantized_slots: dict = dataclasses.field(default_factory=dict)
+    in_step: bool = False
+    slots_by_variable: object = NOT_COMPUTED
+    torch_arena: object = None
+    coded_adam_space: dict = dataclasses.field(default_factory=dict)
