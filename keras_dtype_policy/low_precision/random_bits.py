@@ -7,24 +7,26 @@ call takes one key from a `keras.random.SeedGenerator` (its state is a
 variable, saved with the optimizer, so a resumed run draws what the
 uninterrupted one would) and hashes every element's index with it. The
 hash is Chris Wellons' `lowbias32` (two xor-shift-multiply rounds, a
-bijection of 32-bit integers with a low avalanche bias), written in
-`int32` `keras.ops`: multiplication wraps modulo 2**32 and logical shifts
-are arithmetic shifts with the sign bits masked off, so JAX, TensorFlow
-and torch compute the same bits, eagerly and under `jit`, and XLA fuses
-the dozen integer operations into the rounding.
+bijection of 32-bit integers with a low avalanche bias:
+https://nullprogram.com/blog/2018/07/31/, multipliers from
+https://github.com/skeeto/hash-prospector), written in `int32`
+`keras.ops`: multiplication wraps modulo 2**32 and logical shifts are
+arithmetic shifts with the sign bits masked off, so JAX, TensorFlow and
+torch compute the same bits, eagerly and under `jit`, and XLA fuses the
+dozen integer operations into the rounding. This module is the `keras.ops`
+reference of the hash; `torch_numerics.mix` is its torch form.
 
-On torch, which runs one kernel a `keras.ops` call, the dozen operations
-are a dozen passes over memory: there `rounding_noise` draws from a
-generator seeded with the same key instead (`TorchNoise`: NumPy's PCG64
-on a CPU, torch's own on a GPU). The bits are then reproducible on torch
-(same seed, same bits, resumed too) but differ from JAX's and
-TensorFlow's; `hashed_noise` still gives the backend-independent bits on
-torch.
+On torch, which runs one kernel a `keras.ops` call, `rounding_noise`
+draws from a generator seeded with the same key instead
+(`torch_noise.TorchNoise`); `hashed_noise` still gives the
+backend-independent bits there.
 """
 
 import keras
 import numpy as np
 from keras import ops
+
+from keras_dtype_policy import backend_dispatch
 
 # lowbias32's multipliers, as signed int32 values.
 MULTIPLY_1 = 0x7FEB352D
@@ -102,106 +104,23 @@ def hashed_noise(shape, bits, key):
 def rounding_noise(shape, bits, seed):
     """Returns int32 random values in `[0, 2**bits)` for rounding.
 
+    The backend's own noise where it has one (`torch_noise` on torch),
+    else `hashed_noise` of `seed`'s next key.
+
     Args:
         shape: The shape of the result.
         bits: How many random bits each element gets, 1 to 16.
         seed: A `keras.random.SeedGenerator` (advanced by one) or an int.
     """
-    if keras.backend.backend() == "torch":
-        return torch_noise(shape, bits, seed)
+    own = backend_dispatch.module_for("rounding_noise")
+    if own is not None:
+        return own.rounding_noise(shape, bits, seed)
     return hashed_noise(shape, bits, next_key(seed))
 
 
-def torch_noise(shape, bits, seed, device=None):
-    """Returns random int32 values in `[0, 2**bits)` as a torch tensor,
-    from a `TorchNoise` of `seed`'s next key.
-
-    Args:
-        shape: The shape of the result.
-        bits: How many random bits each element gets, 1 to 16.
-        seed: A `keras.random.SeedGenerator` (advanced by one) or an int.
-        device: The torch device of the result; None for Keras' default.
-    """
-    shape = tuple(int(d) for d in shape)
-    size = 1
-    for dimension in shape:
-        size *= dimension
-    return TorchNoise(seed, device).int32(size, bits).reshape(shape)
-
-
-class TorchNoise:
-    """Random 16-bit values for torch, drawn in sequence from one key.
-
-    On a CPU the key seeds NumPy's PCG64, whose raw 64-bit outputs are
-    split into four 16-bit values (about ten times faster than torch's
-    Mersenne Twister drawing one value at a time); on a GPU it seeds
-    torch's own generator (Philox there).
-
-    Args:
-        seed: A `keras.random.SeedGenerator` (advanced by one) or an int.
-        device: The torch device of the values; None for the seed
-            state's, else Keras' default.
-    """
-
-    def __init__(self, seed, device=None):
-        import torch
-
-        key, self.device = torch_key(seed, device)
-        if self.device.type == "cpu":
-            self._bits = np.random.PCG64(key)
-        else:
-            self._generator = torch.Generator(device=self.device)
-            self._generator.manual_seed(key)
-
-    def uint16(self, size):
-        """Returns `size` uniform uint16 NumPy values (CPU only)."""
-        raw = self._bits.random_raw((size + 3) // 4)
-        return raw.view(np.uint16)[:size]
-
-    def int32(self, size, bits=16):
-        """Returns `size` int32 torch values in `[0, 2**bits)`, flat."""
-        import torch
-
-        if self.device.type == "cpu":
-            values = self.uint16(size) >> np.uint16(16 - bits)
-            return torch.from_numpy(values).to(torch.int32)
-        return torch.randint(
-            0,
-            2**bits,
-            (size,),
-            dtype=torch.int32,
-            generator=self._generator,
-            device=self.device,
-        )
-
-
-def torch_key(seed, device=None):
-    """Returns `(key, device)`: `seed`'s next key as a Python int, and the
-    torch device (the seed state's, else Keras' default)."""
-    import torch
-
-    if isinstance(seed, keras.random.SeedGenerator):
-        state = seed.next()
-        device = device or state.device
-        seed_value, counter = (int(v) for v in state.tolist())
-    else:
-        next_key(seed)  # Checks the argument.
-        seed_value, counter = seed, 0
-    if device is None:
-        device = ops.convert_to_tensor(0).device
-    return python_key(seed_value, counter), torch.device(device)
-
-
 def python_key(seed_value, counter):
-    """`key_of` in Python integers, as an unsigned 32-bit int."""
-    state = [seed_value & _INT32_MASK, counter & _INT32_MASK]
-    seed = _python_mix(state[0] ^ _SEED_SALT)
-    return _python_mix(seed ^ state[1])
-
-
-def _python_mix(x):
-    x &= 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * MULTIPLY_1) & 0xFFFFFFFF
-    x ^= x >> 15
-    return (x * (MULTIPLY_2 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    """`key_of` of the state `(seed_value, counter)`, as an unsigned
+    32-bit Python int."""
+    state = np.array([seed_value & _INT32_MASK, counter & _INT32_MASK])
+    key = ops.convert_to_numpy(key_of(state.astype(np.int32)))
+    return int(key) & 0xFFFFFFFF

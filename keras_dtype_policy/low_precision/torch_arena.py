@@ -5,18 +5,69 @@ live in one space (the arena), reused from step to step. The space is
 laid out by what happens to each copy at the end of the step, so that
 each end is one operation for the whole group: the values stored back
 rounded stochastically side by side, each code's slots side by side in
-whole blocks, the rest after them, then scratch and staging space.
-
-torch is imported inside functions, only once Keras runs on it.
+whole blocks, the rest after them, then staging space.
 """
 
-from keras_dtype_policy.low_precision import torch_codes
+import dataclasses
+import typing
+
+import torch
+
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
-# The arena's regions: values stored back rounded stochastically (one
-# region, rounded in one pass), and the rest; each code has its own.
-ROUNDED = "rounded"
-OTHER = "other"
+
+class Region(typing.NamedTuple):
+    """A region of the arena: what happens to its values at the end of
+    the step (`ROUNDED`, `OTHER`, or the codes of `code`)."""
+
+    kind: str
+    code: object = None
+
+    @classmethod
+    def of_code(cls, code):
+        """The region of the slots coded with `block_codes.Code` `code`."""
+        return cls("coded", code)
+
+
+# Values stored back rounded stochastically (one region, rounded in one
+# pass), and the rest; each code has its own region.
+ROUNDED = Region("rounded")
+OTHER = Region("other")
+
+
+class CodedSlot(typing.NamedTuple):
+    """A piece of a quantized slot in its code's region."""
+
+    piece: object
+    slot: QuantizedSlot
+
+
+class CodedPiece(typing.NamedTuple):
+    """A `CodedSlot`'s codes and scales, and its elements (whole blocks)
+    at `offset` in its code's region."""
+
+    codes: object
+    scales: object
+    offset: int
+    elements: int
+
+
+@dataclasses.dataclass
+class Copies:
+    """Copies run as one batched copy: each destination gets its source."""
+
+    destinations: list = dataclasses.field(default_factory=list)
+    sources: list = dataclasses.field(default_factory=list)
+
+    def add(self, destination, source):
+        """Adds the copy of `source` into `destination`."""
+        self.destinations.append(destination)
+        self.sources.append(source)
+
+    def run(self):
+        """Runs every copy added, as one batched copy."""
+        if self.destinations:
+            torch._foreach_copy_(self.destinations, self.sources)
 
 
 def weight_role(wrapper, view):
@@ -37,51 +88,39 @@ class Arena:
 
     Fresh tensors would cost a page fault every 4 KiB on every step; this
     space is allocated once (and grown if a group needs more), never more
-    than a few float32 copies of a group (`torch_step.GROUP_ELEMENTS`).
+    than a few float32 copies of a group
+    (`torch_step.TORCH_GROUP_ELEMENTS`).
     It is split in regions: the values that are stored back rounded
     stochastically, side by side, so that one pass rounds them all; each
     code's working values (whole blocks), so that one pass quantizes
-    them; the rest; then scratch and staging space.
+    them; the rest; then staging space.
     """
 
     def __init__(self, wrapper, group):
-        import torch
-
         sizes = {ROUNDED: 0}
         for piece in group:
             for role, size in _needs(wrapper, piece):
                 sizes[role] = sizes.get(role, 0) + size
         sizes.setdefault(OTHER, 0)
         coded = [sizes[r] for r in sizes if r not in (ROUNDED, OTHER)]
-        largest_code = max(coded, default=0)
-        largest = max(piece.size for piece in group)
         self.regions, start = {}, 0
         for role, size in sizes.items():
             self.regions[role] = (start, start + size)
             start += size
-        summing = max(largest, sizes[ROUNDED])
-        scratch = torch_codes.SCRATCH_TENSORS if largest_code else 0
         # bfloat16 staging of the rounded region, int8 codes and scales
         # staging of the largest code region (4 codes a float32 at most).
-        staging = -(-sizes[ROUNDED] // 2) + 2 * largest_code
-        total = start + summing + scratch * largest_code + staging
-        space = getattr(wrapper._targets, "arena", None)
+        staging = -(-sizes[ROUNDED] // 2) + 2 * max(coded, default=0)
+        total = start + staging
+        space = wrapper._targets.torch_arena
         device = group[0].view.weight._value.device
         if space is None or space.numel() < total or space.device != device:
             space = torch.empty(total, device=device)
-            wrapper._targets.arena = space
+            wrapper._targets.torch_arena = space
         self.space = space
-        self.sum_space = space[start : start + summing]
-        start += summing
-        self.code_space = [
-            space[start + i * largest_code : start + (i + 1) * largest_code]
-            for i in range(scratch)
-        ]
-        start += scratch * largest_code
         self.staging = space[start:total]
         self.used = {role: first for role, (first, _) in self.regions.items()}
-        # The stored tensor of each working copy (by id), and the slots of
-        # each code: what the ends of the step write back.
+        # The stored tensor of each working copy (by id), and the
+        # `CodedSlot`s of each code: what the ends of the step write back.
         self.stored = {}
         self.coded = {}
         self.rounded = []
@@ -105,8 +144,6 @@ def _needs(wrapper, piece):
     """`(region, elements)` of each float32 copy a piece needs: its
     weight, compensation and gradient, and each slot (a quantized one in
     whole blocks, in its code's region)."""
-    import torch
-
     view = piece.view
     if view.weight._value.dtype != torch.float32:
         yield weight_role(wrapper, view), piece.size
@@ -116,7 +153,7 @@ def _needs(wrapper, piece):
         yield OTHER, piece.size
     for slot in piece.slots:
         if isinstance(slot, QuantizedSlot):
-            yield slot.code, padded(piece, slot)
+            yield Region.of_code(slot.code), padded(piece, slot)
         elif slot._value.dtype != torch.float32:
             yield slot_role(wrapper), piece.size
 
@@ -128,22 +165,22 @@ def blocks_of(piece, slot):
 
 
 def coded_pieces(entries):
-    """Each entry's codes, scales and `(offset, elements)` in its code's
-    region."""
+    """Each `CodedSlot`'s `CodedPiece`, in the order of `entries`."""
     offset = 0
     for piece, slot in entries:
         first, stop = blocks_of(piece, slot)
         elements = padded(piece, slot)
-        codes = slot.codes._value[first:stop]
-        scales = slot.scales._value[first:stop]
-        yield codes, scales, offset, elements
+        yield CodedPiece(
+            codes=slot.codes._value[first:stop],
+            scales=slot.scales._value[first:stop],
+            offset=offset,
+            elements=elements,
+        )
         offset += elements
 
 
 def staged_codes(code, blocks, arena):
     """Staging space for the int8 codes and the scales of `blocks`."""
-    import torch
-
     codes = arena.staging.view(torch.int8)[: blocks * code.bytes_per_block]
     start = -(-codes.numel() // 4)
     scales = arena.staging[start : start + blocks]

@@ -1,20 +1,19 @@
-"""Keras' Adam on 8-bit state as one compiled torch kernel a group.
+"""Keras' Adam on 8-bit state as one torch kernel a group.
 
 The batched torch step (`torch_step`) widens a group's weights and
 moments into float32 working space, runs Adam there and codes the moments
 back: a pass over memory for each end, and one hash of random bits for
 each value rounded. For Keras' `Adam` and `AdamW` (without `amsgrad`)
 whose two moments are 8-bit codes, this module runs a group's whole
-update as one compiled kernel instead (`torch_kernels`): each block of
-256 elements is dequantized, updated, requantized and its weight stored
+update as one kernel instead (`torch_kernels`: compiled where
+`torch.compile` works, else the same body eagerly): each block of 256
+elements is dequantized, updated, requantized and its weight stored
 while it is in cache, from one pair of hashes of the element's index.
 
-- The arithmetic is Keras' torch Adam's, in float32: `m = beta_1 * m +
-  (1 - beta_1) * g`, `v = beta_2 * v + (1 - beta_2) * g**2`,
-  `w -= alpha * m / (sqrt(v) + epsilon)` with `alpha = lr * sqrt(1 -
-  beta_2**t) / (1 - beta_1**t)`; weight decay (AdamW's, or Adam's own
-  `weight_decay`) first, as Keras applies it, for the weights it applies
-  to.
+- The arithmetic is the package's Adam (`torch_numerics.adam_update`,
+  Keras' torch Adam's in float32), the one `torch_step` runs for other
+  state; weight decay (AdamW's, or Adam's own `weight_decay`) first, as
+  Keras applies it, for the weights it applies to.
 - The codes and scales are `block_codes`' (the same map, scale and
   stochastic rounding with 16 random bits); a bfloat16 weight is rounded
   stochastically with 16 more (`update="stochastic_rounding"`), or to
@@ -29,38 +28,73 @@ while it is in cache, from one pair of hashes of the element's index.
 Everything else takes the general path: float16 weights or
 compensations, `update="nearest"`, 4-bit state (its two codes a byte
 made the same kernel three times slower than the general path's:
-inductor could not vectorize the packing inside the fused loop), other
-optimizers, and
-every step where the kernels do not compile (`KDP_TORCH_COMPILE=0`, no
-C++ compiler).
+inductor could not vectorize the packing inside the fused loop), and
+other optimizers.
 
-torch is imported inside functions, only once Keras runs on it.
+The 8-bit block-wise state follows Dettmers et al. 2022 ("8-bit
+Optimizers via Block-wise Quantization", arXiv:2110.02861); a fused
+low-bit Adam step a parameter, compiled, follows torchao
+(https://github.com/pytorch/ao/tree/main/torchao/optim).
 """
 
+import typing
+
+import torch
+
 from keras_dtype_policy.low_precision import block_codes
-from keras_dtype_policy.low_precision import random_bits
 from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_kernels
+from keras_dtype_policy.low_precision import torch_numerics
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
 # The codes of the first and the second moment.
 SIGNED = block_codes.code_for(8, True)
 UNSIGNED = block_codes.code_for(8, False)
-_ADAMS = ("Adam", "AdamW")
 # A group's staged blocks are a multiple of this, so that a few fixed
 # sizes (each compiled once, with static shapes) cover every group.
 ROWS = 512
+# How a weight is stored back: bfloat16 rounded stochastically, bfloat16
+# with a bfloat16 Kahan compensation, or float32 as it is.
+STOCHASTIC = "stochastic"
+KAHAN = "kahan"
+FLOAT32 = "float32"
+
+
+class Moments(typing.NamedTuple):
+    """A piece's two quantized Adam slots."""
+
+    m: QuantizedSlot
+    v: QuantizedSlot
+
+
+class Member(typing.NamedTuple):
+    """A piece of a group, and its moments."""
+
+    piece: object
+    moments: Moments
+
+
+class AdamTensors(typing.NamedTuple):
+    """A group's staged tensors, the kernel's arguments: flat weights,
+    compensations (empty without) and gradients, each moment's codes
+    `(blocks, bytes)` and scales, and each block's decay rate."""
+
+    weight: torch.Tensor
+    compensation: torch.Tensor
+    grad: torch.Tensor
+    m_codes: torch.Tensor
+    m_scales: torch.Tensor
+    v_codes: torch.Tensor
+    v_scales: torch.Tensor
+    decay: torch.Tensor
 
 
 def moments(wrapper, piece):
-    """Returns a piece's `(m, v)` quantized slots where this module can
-    update it, else None."""
-    import torch
-
+    """Returns a piece's `Moments` where this module can update it (its
+    inner optimizer one whose update is the package's Adam:
+    `torch_step.is_package_adam`), else None."""
     inner = wrapper.inner_optimizer
     view = piece.view
-    if type(inner).__name__ not in _ADAMS or inner.amsgrad:
-        return None
     if wrapper.update not in ("stochastic_rounding", "kahan"):
         return None
     if _store(wrapper, view) is None or len(piece.slots) != 2:
@@ -68,39 +102,51 @@ def moments(wrapper, piece):
     if piece.grad.dtype not in (torch.float32, torch.bfloat16):
         return None
     index = inner._get_variable_index(view)
-    pair = (inner._momentums[index], inner._velocities[index])
+    pair = Moments(inner._momentums[index], inner._velocities[index])
     if not all(isinstance(slot, QuantizedSlot) for slot in pair):
         return None
-    if (pair[0].code, pair[1].code) != (SIGNED, UNSIGNED):
+    if (pair.m.code, pair.v.code) != (SIGNED, UNSIGNED):
         return None
     return pair
 
 
 def _store(wrapper, view):
-    """How a weight is stored back: `"stochastic"` (bfloat16, rounded
-    stochastically), `"kahan"` (bfloat16 with a bfloat16 compensation),
-    `"float32"`; None for what this module leaves to the general path."""
-    import torch
-
+    """How a weight is stored back (`STOCHASTIC`, `KAHAN`, `FLOAT32`);
+    None for what this module leaves to the general path."""
     weight = view.weight._value.dtype
     compensation = view.compensation
     if weight == torch.float32:
-        return "float32" if compensation is None else None
+        return FLOAT32 if compensation is None else None
     if weight != torch.bfloat16:
         return None
     if wrapper.update == "stochastic_rounding" and compensation is None:
-        return "stochastic"
+        return STOCHASTIC
     if compensation is not None and compensation.dtype == "bfloat16":
-        return "kahan"
+        return KAHAN
     return None
 
 
 def apply(wrapper, pieces, learning_rate, noise, limit):
     """Updates the pieces `moments` accepts, in groups of at most `limit`
     elements; returns the pieces left to the general path."""
-    if noise is None or not torch_kernels.enabled():
+    if noise is None:
         return pieces
-    rest, groups, sizes = [], {}, {}
+    rest, groups = _groups(wrapper, pieces, limit)
+    if not groups:
+        return rest
+    inner = wrapper.inner_optimizer
+    hyper = torch_numerics.AdamHyperparameters.of(inner, learning_rate)
+    for group in groups:
+        if not _update_group(wrapper, group, hyper, noise):
+            rest += [member.piece for member in group]
+    return rest
+
+
+def _groups(wrapper, pieces, limit):
+    """`(rest, groups)`: the pieces `moments` refuses, and the others as
+    lists of `Member`s of one kind (weight, gradient, store), each of at
+    most `limit` elements."""
+    rest, by_kind, sizes = [], {}, {}
     for piece in pieces:
         pair = moments(wrapper, piece)
         if pair is None:
@@ -108,239 +154,196 @@ def apply(wrapper, pieces, learning_rate, noise, limit):
             continue
         store = _store(wrapper, piece.view)
         kind = (piece.view.weight._value.dtype, piece.grad.dtype, store)
-        group = groups.setdefault(kind, [[]])
-        if group[-1] and sizes[kind] + piece.size > limit:
-            group.append([])
+        listed = by_kind.setdefault(kind, [[]])
+        if listed[-1] and sizes[kind] + piece.size > limit:
+            listed.append([])
             sizes[kind] = 0
-        group[-1].append((piece, pair))
+        listed[-1].append(Member(piece, pair))
         sizes[kind] = sizes.get(kind, 0) + piece.size
-    if not groups:
-        return rest
-    hyper = _hyperparameters(wrapper.inner_optimizer, learning_rate)
-    for listed in groups.values():
-        for group in listed:
-            if not _update_group(wrapper, group, hyper, noise):
-                rest += [piece for piece, _ in group]
-    return rest
-
-
-def _hyperparameters(inner, learning_rate):
-    """The step's float32 constants: `beta_1`, `1 - beta_1`, `beta_2`,
-    `1 - beta_2`, `alpha`, `epsilon` and the weight decay rate."""
-    import torch
-
-    step = float(inner.iterations.numpy()) + 1.0
-    rate = float(learning_rate)
-    beta_1, beta_2 = float(inner.beta_1), float(inner.beta_2)
-    alpha = rate * (1.0 - beta_2**step) ** 0.5 / (1.0 - beta_1**step)
-    decay = float(inner.weight_decay or 0.0) * rate
-    values = (beta_1, 1.0 - beta_1, beta_2, 1.0 - beta_2, alpha)
-    values += (float(inner.epsilon), decay)
-    return torch.tensor(values, dtype=torch.float32)
+    return rest, [group for listed in by_kind.values() for group in listed]
 
 
 def _update_group(wrapper, group, hyper, noise):
     """Runs the kernel on one group; False (nothing written) where the
-    kernel is not available or the step is not finite."""
-    import torch
-
-    inner = wrapper.inner_optimizer
-    view = group[0][0].view
-    total = sum(torch_arena.padded(p, m) for p, (m, _) in group)
-    block = SIGNED.block
-    blocks = -(-total // (ROWS * block)) * ROWS
-    kernel = torch_kernels.compiled(
-        _adam_body, "adam", store=_store(wrapper, view), rows=blocks
+    step is not finite."""
+    total = sum(torch_arena.padded(m.piece, m.moments.m) for m in group)
+    blocks = -(-total // (ROWS * SIGNED.block)) * ROWS
+    staged = _staging(wrapper, group, blocks)
+    written = _stage(group, staged)
+    _fill_decay(wrapper.inner_optimizer, group, staged.decay, hyper.decay)
+    torch_kernels.run(
+        _adam_body,
+        (staged,),
+        hyper.as_tensor(staged.weight.device),
+        noise.kernel_key(),
+        store=_store(wrapper, group[0].piece.view),
+        rows=blocks,
     )
-    if kernel is None:
+    finite = torch.isfinite(staged.m_scales).all()
+    if not bool(finite & torch.isfinite(staged.v_scales).all()):
         return False
-    space = _Staging(wrapper, group, blocks)
-    # (staged, stored) pairs: all copied in; weights and compensations
-    # copied back.
-    gathered, written, tails, decays, offset = ([], []), [], [], [], 0
-    listed = {"m_codes": [], "m_scales": [], "v_codes": [], "v_scales": []}
-    for piece, (m, v) in group:
-        size, padded = piece.size, torch_arena.padded(piece, m)
-        staged_pairs = [
-            (space.weight, piece.view.weight._value),
-            (space.grad, piece.grad),
-        ]
-        if space.compensation is not None:
-            staged_pairs.append(
-                (space.compensation, piece.view.compensation._value)
-            )
-        for staged, source in staged_pairs:
-            gathered[0].append(staged[offset : offset + size])
-            gathered[1].append(piece.flat(source))
-            if source is not piece.grad:
-                written.append((gathered[1][-1], gathered[0][-1]))
-            if padded > size:
-                tails.append(staged[offset + size : offset + padded])
-        first, stop = torch_arena.blocks_of(piece, m)
-        for name, slot in (("m", m), ("v", v)):
-            listed[f"{name}_codes"].append(slot.codes._value[first:stop])
-            listed[f"{name}_scales"].append(slot.scales._value[first:stop])
-        decays.append(1.0 if inner._use_weight_decay(piece.view) else 0.0)
-        offset += padded
-    used = total // block
-    if used < blocks:
-        # The rows after the group's: zeros, never written back.
-        tails += [space.weight[total:], space.grad[total:]]
-        if space.compensation is not None:
-            tails.append(space.compensation[total:])
-        tails += [getattr(space, name)[used:] for name in listed]
-    torch._foreach_copy_(*gathered)
-    if tails:
-        torch._foreach_zero_(tails)
-    for name, pieces in listed.items():
-        torch.cat(pieces, out=getattr(space, name)[:used])
-    rate = float(hyper[6])
-    if len(set(decays)) == 1:
-        space.decay.fill_(rate * decays[0])
-    else:
-        row = 0
-        for (piece, (m, _)), flag in zip(group, decays, strict=True):
-            count = torch_arena.padded(piece, m) // block
-            space.decay[row : row + count].fill_(rate * flag)
-            row += count
-        space.decay[row:].zero_()
-    arguments = (
-        space.weight,
-        space.compensation if space.compensation is not None else space.none,
-        space.grad,
-        space.m_codes,
-        space.m_scales,
-        space.v_codes,
-        space.v_scales,
-    )
-    key = noise.int32(2)
-    if not torch_kernels.run(kernel, arguments, hyper, space.decay, key):
-        return False
-    finite = torch.isfinite(space.m_scales).all()
-    if not bool(finite & torch.isfinite(space.v_scales).all()):
-        return False
-    for name, pieces in listed.items():
-        row = 0
-        for piece in pieces:
-            count = piece.shape[0]
-            written.append((piece, getattr(space, name)[row : row + count]))
-            row += count
-    torch._foreach_copy_(*zip(*written, strict=True))
+    written.run()
     return True
 
 
-class _Staging:
-    """A group's staged weights, gradients, codes and scales, in space of
-    the wrapper's reused from step to step."""
-
-    def __init__(self, wrapper, group, blocks):
-        import torch
-
-        piece = group[0][0]
-        total = blocks * SIGNED.block
-        width = SIGNED.bytes_per_block
-        needs = {
-            "weight": (piece.view.weight._value.dtype, total),
-            "grad": (piece.grad.dtype, total),
-            "m_codes": (torch.int8, blocks * width),
-            "v_codes": (torch.int8, blocks * width),
-            "m_scales": (torch.float32, blocks),
-            "v_scales": (torch.float32, blocks),
-            "decay": (torch.float32, blocks),
-        }
-        self.none = torch.empty(0, device=piece.view.weight._value.device)
-        if piece.view.compensation is not None:
-            needs["compensation"] = (
-                piece.view.compensation._value.dtype,
-                total,
-            )
-        else:
-            self.compensation = None
-        spaces = getattr(wrapper._targets, "coded_adam_space", None)
-        if spaces is None:
-            spaces = wrapper._targets.coded_adam_space = {}
-        device = piece.view.weight._value.device
-        for name, (dtype, size) in needs.items():
-            held = spaces.get((name, dtype))
-            if held is None or held.numel() < size or held.device != device:
-                held = torch.empty(size, dtype=dtype, device=device)
-                spaces[(name, dtype)] = held
-            value = held[:size]
-            if name.endswith("codes"):
-                value = value.view(blocks, width)
-            setattr(self, name, value)
+def _staging(wrapper, group, blocks):
+    """The group's `AdamTensors`, in space of the wrapper's reused from
+    step to step (`StepTargets.coded_adam_space`)."""
+    view = group[0].piece.view
+    total = blocks * SIGNED.block
+    width = SIGNED.bytes_per_block
+    compensation = view.compensation
+    needs = {
+        "weight": (view.weight._value.dtype, total),
+        "compensation": (
+            (compensation._value.dtype, total)
+            if compensation is not None
+            else (torch.float32, 0)
+        ),
+        "grad": (group[0].piece.grad.dtype, total),
+        "m_codes": (torch.int8, blocks * width),
+        "m_scales": (torch.float32, blocks),
+        "v_codes": (torch.int8, blocks * width),
+        "v_scales": (torch.float32, blocks),
+        "decay": (torch.float32, blocks),
+    }
+    spaces = wrapper._targets.coded_adam_space
+    device = view.weight._value.device
+    tensors = {}
+    for name, (dtype, size) in needs.items():
+        held = spaces.get((name, dtype))
+        if held is None or held.numel() < size or held.device != device:
+            held = torch.empty(size, dtype=dtype, device=device)
+            spaces[(name, dtype)] = held
+        tensors[name] = held[:size]
+    for name in ("m_codes", "v_codes"):
+        tensors[name] = tensors[name].view(blocks, width)
+    return AdamTensors(**tensors)
 
 
-def _adam_body(
-    weight,
-    compensation,
-    grad,
-    m_codes,
-    m_scales,
-    v_codes,
-    v_scales,
-    hyper,
-    decay,
-    key,
-    *,
-    store,
-    rows,
-):
-    """The body of the kernel: a group's Adam step on 8-bit moments
-    (`rows` blocks, a constant of the kernel: its shapes are static)."""
-    import torch
+def _stage(group, staged):
+    """Copies the group into `staged`, padding zeros and all; returns the
+    `torch_arena.Copies` that write the results back."""
+    gathered, written = torch_arena.Copies(), torch_arena.Copies()
+    tails, offset = [], 0
+    for member in group:
+        piece = member.piece
+        stop = offset + piece.size
+        padded = offset + torch_arena.padded(piece, member.moments.m)
+        for into, source in _sources(staged, piece):
+            gathered.add(into[offset:stop], piece.flat(source))
+            if source is not piece.grad:
+                written.add(piece.flat(source), into[offset:stop])
+            if padded > stop:
+                tails.append(into[stop:padded])
+        offset = padded
+    used = offset // SIGNED.block
+    # The rows after the group's: zeros, never written back.
+    tails += [staged.weight[offset:], staged.grad[offset:]]
+    tails.append(staged.compensation[offset:])
+    for name in ("m_codes", "m_scales", "v_codes", "v_scales"):
+        tails.append(getattr(staged, name)[used:])
+    gathered.run()
+    tails = [tail for tail in tails if tail.numel()]
+    if tails:
+        torch._foreach_zero_(tails)
+    _stage_codes(group, staged, used, written)
+    return written
 
-    signed = torch_kernels.constants(SIGNED)
-    unsigned = torch_kernels.constants(UNSIGNED)
-    block = signed["block"]
-    m = torch_kernels.dequantized(m_codes, m_scales, **signed)
-    v = torch_kernels.dequantized(v_codes, v_scales, **unsigned)
-    g = grad.view(-1, block).to(torch.float32)
-    w = weight.view(-1, block).to(torch.float32)
-    if store == "kahan":
-        w = w + compensation.view(-1, block).to(torch.float32)
-    w = w - w * decay[:, None]
-    m = m * hyper[0] + g * hyper[1]
-    v = v * hyper[2] + (g * g) * hyper[3]
-    w = w - (m * hyper[4]) / (torch.sqrt(v) + hyper[5])
+
+def _sources(staged, piece):
+    """`(staged tensor, the piece's tensor)` of what the kernel reads."""
+    view = piece.view
+    yield staged.weight, view.weight._value
+    yield staged.grad, piece.grad
+    if view.compensation is not None:
+        yield staged.compensation, view.compensation._value
+
+
+def _stage_codes(group, staged, used, written):
+    """Stages each moment's codes and scales of the group's blocks;
+    `written` gets their copies back."""
+    for name in ("m", "v"):
+        for part in ("codes", "scales"):
+            pieces, row = [], 0
+            into = getattr(staged, f"{name}_{part}")
+            for member in group:
+                slot = getattr(member.moments, name)
+                first, stop = torch_arena.blocks_of(member.piece, slot)
+                held = getattr(slot, part)._value[first:stop]
+                pieces.append(held)
+                written.add(held, into[row : row + stop - first])
+                row += stop - first
+            torch.cat(pieces, out=into[:used])
+
+
+def _fill_decay(inner, group, decay, rate):
+    """Each staged block's decay rate: `rate` where Keras decays the
+    weight (`_use_weight_decay`), else 0."""
+    flags = [
+        1.0 if inner._use_weight_decay(m.piece.view) else 0.0 for m in group
+    ]
+    if len(set(flags)) == 1:
+        decay.fill_(rate * flags[0])
+        return
+    row = 0
+    for member, flag in zip(group, flags, strict=True):
+        count = torch_arena.padded(member.piece, member.moments.m)
+        count //= SIGNED.block
+        decay[row : row + count].fill_(rate * flag)
+        row += count
+    decay[row:].zero_()
+
+
+def _adam_body(staged, hyper, key, *, store, rows):
+    """The body of the kernel: a group's Adam step on 8-bit moments.
+
+    `rows`, the staged blocks, is a constant of the kernel: each of the
+    few sizes (`ROWS` blocks apart) has its own, with static shapes.
+    """
+    del rows  # Only a constant of the kernel.
+    hyper = torch_numerics.AdamHyperparameters.of_tensor(hyper)
+    block = SIGNED.block
+    m = torch_numerics.dequantized(staged.m_codes, staged.m_scales, SIGNED)
+    v = torch_numerics.dequantized(staged.v_codes, staged.v_scales, UNSIGNED)
+    g = staged.grad.view(-1, block).to(torch.float32)
+    w = staged.weight.view(-1, block).to(torch.float32)
+    if store == KAHAN:
+        w = w + staged.compensation.view(-1, block).to(torch.float32)
+    w = torch_numerics.decayed(w, staged.decay[:, None])
+    w, m, v = torch_numerics.adam_update(w, g, m, v, hyper)
     # Two hashes of the index give three 16-bit draws: the first's high
     # half rounds the weight, its low half the second moment; the high
     # half of a further mix of it rounds the first moment.
-    words = torch_kernels.hashed_words(weight.shape[0], key, weight.device)
+    size = staged.weight.shape[0]
+    words = torch_numerics.hashed_words(size, key, staged.weight.device)
     words = words.view(-1, block)
-    mixed = words ^ ((words >> 15) & 0x1FFFF)
-    mixed = mixed * random_bits.MULTIPLY_1
-    coded, m_largest = torch_kernels.quantized(
-        m, _uniform((mixed >> 16) & 0xFFFF), **signed
-    )
-    m_codes.copy_(coded)
-    m_scales.copy_(m_largest)
-    coded, v_largest = torch_kernels.quantized(
-        v, _uniform(words & 0xFFFF), **unsigned
-    )
-    v_codes.copy_(coded)
-    v_scales.copy_(v_largest)
-    if store == "float32":
-        weight.copy_(w.view(-1))
+    high = torch_numerics.high_bits(torch_numerics.remix(words))
+    _write_codes(m, high, SIGNED, staged.m_codes, staged.m_scales)
+    low = torch_numerics.low_bits(words)
+    _write_codes(v, low, UNSIGNED, staged.v_codes, staged.v_scales)
+    _write_weight(w, torch_numerics.high_bits(words), staged, store)
+
+
+def _write_codes(values, bits, code, codes, scales):
+    """Writes `values` (rows of blocks) as codes and scales, rounded
+    stochastically with the 16-bit `bits`."""
+    noise = torch_numerics.uniform(bits)
+    coded, largest = torch_numerics.quantized(values, noise, code)
+    codes.copy_(coded)
+    scales.copy_(largest)
+
+
+def _write_weight(w, bits, staged, store):
+    """Stores the float32 weights `w` as `store` says."""
+    if store == FLOAT32:
+        staged.weight.copy_(w.view(-1))
         return
-    # The bfloat16 value as float32 bits, rounded in integers (inductor
-    # may drop a float32 -> bfloat16 -> float32 round trip): half a unit
-    # and 16 random bits (stochastic rounding), or half a unit less one
-    # plus the kept bit (to nearest, ties to even); the low half cleared.
-    pattern = w.view(torch.int32)
-    if store == "stochastic":
-        pattern = pattern + ((words >> 16) & 0xFFFF)
+    if store == STOCHASTIC:
+        pattern = w.view(torch.int32)
+        rounded = torch_numerics.stochastic_bfloat16(pattern, bits)
     else:
-        pattern = pattern + (0x7FFF + ((pattern >> 16) & 1))
-    rounded = (pattern & -65536).view(torch.float32)
-    weight.copy_(rounded.view(-1).to(weight.dtype))
-    if store == "kahan":
-        # The compensation keeps what rounding took off.
-        left = w - rounded
+        rounded, left = torch_numerics.kahan_split(w, torch.bfloat16)
+        compensation = staged.compensation
         compensation.copy_(left.view(-1).to(compensation.dtype))
-
-
-def _uniform(bits):
-    import torch
-
-    return (bits.to(torch.float32) + 0.5) * (1.0 / 65536.0)
+    staged.weight.copy_(rounded.view(-1).to(staged.weight.dtype))

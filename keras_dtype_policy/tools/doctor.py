@@ -4,7 +4,7 @@ import importlib.metadata
 
 import keras
 
-from keras_dtype_policy.low_precision import torch_kernels
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import advice
@@ -33,7 +33,7 @@ def build_report():
     Raises:
         RuntimeError: if the backend cannot list its devices.
     """
-    backend = keras.backend.backend()
+    backend = backend_dispatch.name()
     devices = hardware.list_devices(backend)
     policy, reason = hardware.recommend_policy(devices, backend)
     computing = hardware.compute_devices(devices)
@@ -179,6 +179,7 @@ def _notes(backend, computing):
 
 def _quantized_state_note():
     """Whether torch can compile the kernels of 8-bit and 4-bit state."""
+    torch_kernels = backend_dispatch.module_for("kernels")
     compiler = torch_kernels.c_compiler()
     if not torch_kernels.enabled():
         return (

@@ -15,28 +15,45 @@ import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import inner_optimizers
 from testing import to_numpy
 
 from keras_dtype_policy import LowPrecisionOptimizer
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import compensated_updates
-from keras_dtype_policy.low_precision import tensorflow_step
-from keras_dtype_policy.low_precision import torch_step
+
+# Import TensorFlow or torch: only where Keras runs on it.
+tensorflow_step = None
+if backend_dispatch.is_tensorflow():
+    tensorflow_step = backend_dispatch.module_for("low_precision_step")
+torch_step = None
+if backend_dispatch.is_torch():
+    torch_step = backend_dispatch.module_for("low_precision_step")
 
 SHAPES = [(17, 9), (9,), (3, 4, 5), ()]
+# Rows of the shared table (at the rates these cases were written for),
+# and an Adam with its gradients clipped.
 OPTIMIZERS = {
-    "adam": lambda: keras.optimizers.Adam(1e-2),
-    "adam_amsgrad": lambda: keras.optimizers.Adam(1e-2, amsgrad=True),
-    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
-    "sgd_momentum": lambda: keras.optimizers.SGD(1e-2, momentum=0.9),
-    "sgd_nesterov": lambda: keras.optimizers.SGD(
-        1e-2, momentum=0.9, nesterov=True
+    **inner_optimizers(
+        "adam",
+        "adam_amsgrad",
+        "adamw",
+        "sgd_momentum",
+        "sgd_nesterov",
+        "rmsprop_momentum",
+        "adagrad",
+        "adadelta",
+        "adamax",
+        "lion",
+        "nadam",
+        learning_rates={
+            "sgd_momentum": 1e-2,
+            "sgd_nesterov": 1e-2,
+            "adagrad": 1e-2,
+            "adamax": 1e-2,
+            "lion": 1e-3,
+        },
     ),
-    "rmsprop": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.5),
-    "adagrad": lambda: keras.optimizers.Adagrad(1e-2),
-    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
-    "adamax": lambda: keras.optimizers.Adamax(1e-2),
-    "lion": lambda: keras.optimizers.Lion(1e-3),
-    "nadam": lambda: keras.optimizers.Nadam(1e-2),
     "clipped_adam": lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.5),
 }
 
@@ -48,8 +65,10 @@ def as_float32(x):
 def train(make_inner, fused, monkeypatch, state_dtype="float32", steps=6):
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(torch_step, "can_batch", lambda wrapper: False)
-            patch.setattr(tensorflow_step, "can_compile", lambda opt: False)
+            if torch_step is not None:
+                patch.setattr(torch_step, "can_batch", lambda wrapper: False)
+            if tensorflow_step is not None:
+                patch.setattr(tensorflow_step, "can_compile", lambda o: False)
         rng = np.random.default_rng(0)
         weights = [
             keras.Variable(rng.normal(size=s).astype("float32"), dtype=d)
@@ -116,7 +135,7 @@ def test_torch_batches_keras_own_optimizers_only(monkeypatch):
 def test_torch_groups_bound_the_float32_working_set(monkeypatch):
     # Groups of at most a few elements give what one group gives.
     whole, _ = train(OPTIMIZERS["adam"], True, monkeypatch)
-    monkeypatch.setattr(torch_step, "GROUP_ELEMENTS", 10)
+    monkeypatch.setattr(torch_step, "TORCH_GROUP_ELEMENTS", 10)
     grouped, _ = train(OPTIMIZERS["adam"], True, monkeypatch)
     for a, b in zip(whole, grouped, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -138,12 +157,12 @@ def test_tensorflow_compiles_the_step_once(monkeypatch):
 def test_tensorflow_updates_a_large_model_group_by_group(
     name, state_dtype, monkeypatch
 ):
-    # Above GROUP_ELEMENTS the step compiles one computation a group of
+    # Above XLA_GROUP_ELEMENTS the step compiles one computation a group of
     # variables (XLA holds a computation's temporaries to its end), after
     # what needs every gradient (the global norm's clipping, Nadam's
     # product) ran once: the same results as one computation.
     whole, one = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
-    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
     grouped, optimizer = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
     for a, b in zip(whole, grouped, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -163,13 +182,13 @@ def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
     # by a fixed loss scale before the groups, as in one computation.
     import tensorflow as tf
 
-    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
     results = []
     for grouped in (False, True):
         if grouped:
-            monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+            monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
         else:
-            monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 10**9)
+            monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 10**9)
         table = keras.Variable(np.ones((40, 8), "float32"), dtype="bfloat16")
         bias = keras.Variable(np.zeros((8,), "float32"))
         optimizer = LowPrecisionOptimizer(
@@ -201,7 +220,7 @@ def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
     # LowPrecisionOptimizer does not split it, whatever the size.
     import keras_dtype_policy as kdp
 
-    monkeypatch.setattr(tensorflow_step, "GROUP_ELEMENTS", 100)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
     weight = keras.Variable(np.ones((30, 30), "float32"), dtype="bfloat16")
     inner = LowPrecisionOptimizer(
         keras.optimizers.Adam(1e-2), update="kahan", state_dtype="8bit"
@@ -216,17 +235,23 @@ def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
     np.testing.assert_allclose(as_float32(weight), 1.0 - 2e-2, atol=2e-3)
 
 
-# Quantized state: weights of several pieces (GROUP_ELEMENTS made small)
+# Quantized state: weights of several pieces (TORCH_GROUP_ELEMENTS small)
 # whose last block is padded (67 * 73 is no multiple of 256 or 128).
 QUANTIZED_SHAPES = [(67, 73), (64, 128), (9,)]
-QUANTIZED_OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "rmsprop", "lion")
+QUANTIZED_OPTIMIZERS = (
+    "adam",
+    "adamw",
+    "sgd_momentum",
+    "rmsprop_momentum",
+    "lion",
+)
 
 
 def train_quantized(name, fused, monkeypatch, state_dtype, update, steps=4):
     """Returns the weights (float32) and each quantized slot's codes and
     scales after `steps` steps of bfloat16 and float32 weights."""
     with monkeypatch.context() as patch:
-        patch.setattr(torch_step, "GROUP_ELEMENTS", 1000)
+        patch.setattr(torch_step, "TORCH_GROUP_ELEMENTS", 1000)
         if not fused:
             patch.setattr(torch_step, "can_batch", lambda wrapper: False)
         rng = np.random.default_rng(0)
@@ -259,9 +284,9 @@ def test_torch_batches_quantized_state_as_the_general_path(
     name, state_dtype, monkeypatch
 ):
     # Rounded to nearest, both paths quantize with the same arithmetic
-    # (`torch_codes` is `block_codes` bit for bit, tested below); only the
-    # update's own arithmetic differs in the last place (torch's fused
-    # Adam kernel, `_parallel_update_step`, against Keras' ops), which
+    # (`torch_kernels` is `block_codes` bit for bit: test_torch_codes.py);
+    # only the update's own arithmetic differs in the last place (the
+    # package's Adam, `_parallel_update_step`, against Keras' ops), which
     # moves a scale by an ulp and could move a code to its neighbour.
     fused, fused_codes = train_quantized(
         name, True, monkeypatch, state_dtype, "nearest"
@@ -313,7 +338,7 @@ def test_torch_batches_stochastic_quantized_state_alike(
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's batched path")
 def test_torch_batches_a_weight_larger_than_a_group(monkeypatch):
-    # 1025 * 1031 elements: two pieces of the real GROUP_ELEMENTS, the
+    # 1025 * 1031 elements: two pieces of the real TORCH_GROUP_ELEMENTS, the
     # second ending in a padded block.
     results = []
     for fused in (True, False):
@@ -346,7 +371,7 @@ def test_torch_runs_each_end_of_a_group_as_one_operation(update, monkeypatch):
     # rounds every bfloat16 weight in one pass (a kernel call costs tens of
     # microseconds of torch.compile's guards, so one a tensor adds up).
     from keras_dtype_policy.low_precision import torch_coded_adam
-    from keras_dtype_policy.low_precision import torch_codes
+    from keras_dtype_policy.low_precision import torch_kernels
 
     # The general path's ends: where the kernels compile, Adam on 8-bit
     # moments is one kernel of its own (test_torch_coded_adam.py).
@@ -363,8 +388,8 @@ def test_torch_runs_each_end_of_a_group_as_one_operation(update, monkeypatch):
         return wrapper
 
     for module, name in (
-        (torch_codes, "dequantize"),
-        (torch_codes, "quantize"),
+        (torch_kernels, "dequantize"),
+        (torch_kernels, "quantize"),
         (torch_step, "store_rounded"),
     ):
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))

@@ -1,11 +1,11 @@
-"""Keras' Adam on 8-bit state as one compiled torch kernel a group.
+"""Keras' Adam on 8-bit state as one torch kernel a group.
 
 `torch_coded_adam` runs the step of Adam and AdamW whose moments are
-8-bit codes as one kernel a group. It must train as the general path of
-`torch_step` does (the same arithmetic; its own random bits, so equal on
-average), apply weight decay to exactly the weights Keras applies it to,
-leave every other configuration to the general path, and write nothing
-of a group whose step is not finite.
+8-bit codes as one kernel a group, compiled or eager. It must train as
+the general path of `torch_step` does (the same arithmetic; its own
+random bits, so equal on average), apply weight decay to exactly the
+weights Keras applies it to, leave every other configuration to the
+general path, and write nothing of a group whose step is not finite.
 """
 
 import keras
@@ -20,16 +20,17 @@ pytestmark = pytest.mark.skipif(
 SHAPE = (300, 260)
 
 
-@pytest.fixture
-def compiled(monkeypatch):
-    """The compiled kernels on, and a record of the groups the Adam
-    kernel updated (True) or left to the general path (False)."""
+@pytest.fixture(params=["compiled", "eager"])
+def compiled(request, monkeypatch):
+    """The kernels compiled, then eager, and a record of the groups the
+    Adam kernel updated (True) or left to the general path (False)."""
     from keras_dtype_policy.low_precision import torch_coded_adam
     from keras_dtype_policy.low_precision import torch_kernels
 
-    if torch_kernels.c_compiler() is None:
+    on = request.param == "compiled"
+    if on and torch_kernels.c_compiler() is None:
         pytest.skip("no C++ compiler here: torch.compile cannot run")
-    monkeypatch.setenv(torch_kernels.SWITCH, "1")
+    monkeypatch.setenv(torch_kernels.SWITCH, "1" if on else "0")
     monkeypatch.setattr(torch_kernels, "_failed", [])
     outcomes = []
     update_group = torch_coded_adam._update_group
@@ -182,6 +183,7 @@ def test_weight_decay_goes_to_the_weights_keras_applies_it_to(
     ids=["nearest", "4bit", "amsgrad", "rmsprop"],
 )
 def test_other_configurations_take_the_general_path(options, compiled):
+    options = dict(options)  # The table's own is shared by the runs.
     start, grads = problem(steps=1)
     inner = options.pop("inner", None)
     if inner == "amsgrad":

@@ -1,11 +1,10 @@
-"""Block codes on torch: compiled kernels and eager operations.
+"""Block codes and bfloat16 rounding on torch: every path, the same bits.
 
-`torch_codes` writes a piece of a quantized slot as codes and scales, as
-one compiled kernel each way where `torch.compile` works
-(`torch_kernels`), else as eager in-place torch operations. Both must be
-`block_codes` bit for bit when rounding to nearest; with stochastic
-rounding both must be unbiased, and the compiled kernel must be the eager
-operations bit for bit when given the same random bits.
+`torch_kernels` runs `torch_numerics`' functions as one compiled kernel
+each where `torch.compile` works, else eagerly as they are. Rounding to
+nearest, both paths must be `block_codes` (the `keras.ops` reference)
+bit for bit; rounding stochastically, both paths and the reference must
+agree bit for bit given the same random bits, and be unbiased.
 """
 
 import warnings
@@ -28,7 +27,7 @@ def c_compiler():
 
 @pytest.fixture(params=["compiled", "eager"])
 def codes_path(request, monkeypatch):
-    """Runs a test on the compiled kernels, then on eager operations."""
+    """Runs a test on the compiled kernels, then eagerly."""
     from keras_dtype_policy.low_precision import torch_kernels
 
     compiled = request.param == "compiled"
@@ -39,17 +38,10 @@ def codes_path(request, monkeypatch):
         )
     monkeypatch.setenv(torch_kernels.SWITCH, "1" if compiled else "0")
     monkeypatch.setattr(torch_kernels, "_failed", [])
-    calls = []
-    run = torch_kernels.run
-
-    def counted(*args):
-        calls.append(args[0])
-        return run(*args)
-
-    monkeypatch.setattr(torch_kernels, "run", counted)
+    monkeypatch.setattr(torch_kernels, "_compiled", {})
     yield request.param
     assert torch_kernels._failed == []
-    assert bool(calls) == compiled
+    assert bool(torch_kernels._compiled) == compiled
 
 
 def coded_values(code, blocks, rng):
@@ -68,13 +60,30 @@ def coded_values(code, blocks, rng):
     return values.reshape(-1)
 
 
+def quantized(values, code, key=None):
+    """`torch_kernels.quantize` then `dequantize` of `values`: codes,
+    scales (as int32 bits) and the values they stand for."""
+    import torch
+
+    from keras_dtype_policy.low_precision import torch_kernels
+
+    blocks = values.numel() // code.block
+    codes = torch.empty((blocks, code.bytes_per_block), dtype=torch.int8)
+    scales = torch.empty(blocks)
+    given = values.clone()
+    torch_kernels.quantize(given, codes, scales, code, key)
+    assert torch.equal(given.view(torch.int32), values.view(torch.int32))
+    out = torch.empty(values.numel())
+    torch_kernels.dequantize(out, codes, scales, code)
+    return codes.numpy(), scales.numpy().view("int32"), out.numpy()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("signed", [True, False])
 def test_torch_codes_are_block_codes_bit_for_bit(bits, signed, codes_path):
     import torch
 
     from keras_dtype_policy.low_precision import block_codes
-    from keras_dtype_policy.low_precision import torch_codes
 
     code = block_codes.code_for(bits, signed)
     values = torch.from_numpy(coded_values(code, 40, np.random.default_rng(0)))
@@ -82,22 +91,12 @@ def test_torch_codes_are_block_codes_bit_for_bit(bits, signed, codes_path):
     # With an infinity or NaN a piece goes through block_codes itself.
     for given in (values, finite):
         expected = block_codes.quantize(given, code)
-        codes = torch.empty_like(expected[0])
-        scales = torch.empty_like(expected[1])
-        scratch = [
-            torch.empty(given.numel())
-            for _ in range(torch_codes.SCRATCH_TENSORS)
-        ]
-        torch_codes.quantize(given.clone(), codes, scales, code, scratch)
-        np.testing.assert_array_equal(codes.numpy(), expected[0].numpy())
+        codes, scales, out = quantized(given, code)
+        np.testing.assert_array_equal(codes, expected[0].numpy())
+        np.testing.assert_array_equal(scales, expected[1].numpy().view("int32"))
+        dequantized = block_codes.dequantize(*expected, code)
         np.testing.assert_array_equal(
-            scales.numpy().view("int32"), expected[1].numpy().view("int32")
-        )
-        out = torch.empty(given.numel())
-        torch_codes.dequantize(out, codes, scales, code, scratch[0])
-        dequantized = block_codes.dequantize(codes, scales, code)
-        np.testing.assert_array_equal(
-            out.numpy().view("int32"), dequantized.numpy().view("int32")
+            out.view("int32"), dequantized.numpy().view("int32")
         )
 
 
@@ -109,108 +108,73 @@ def test_torch_codes_round_stochastically_without_bias(
     import torch
 
     from keras_dtype_policy.low_precision import block_codes
-    from keras_dtype_policy.low_precision import random_bits
-    from keras_dtype_policy.low_precision import torch_codes
+    from keras_dtype_policy.low_precision import torch_noise
 
     code = block_codes.code_for(bits, signed)
     # Each block: one 1.0 (its scale) and values between two levels.
     blocks = 64
     values = torch.full((blocks * code.block,), 0.3)
     values[:: code.block] = 1.0
-    noise = random_bits.TorchNoise(3)
-    codes = torch.empty((blocks, code.bytes_per_block), dtype=torch.int8)
-    scales = torch.empty(blocks)
-    scratch = [
-        torch.empty(values.numel()) for _ in range(torch_codes.SCRATCH_TENSORS)
-    ]
-    total = torch.zeros(values.numel())
-    out = torch.empty(values.numel())
+    noise = torch_noise.TorchNoise(3)
+    total = np.zeros(values.numel())
     rounds = 20
     for _ in range(rounds):
-        torch_codes.quantize(
-            values.clone(), codes, scales, code, scratch, noise
-        )
-        torch_codes.dequantize(out, codes, scales, code, scratch[0])
-        total += out
+        total += quantized(values, code, noise.kernel_key())[2]
     mean = float((total / rounds).reshape(blocks, -1)[:, 1:].mean())
     # About 160,000 draws, each off by at most a level gap (< 0.3).
     assert abs(mean - 0.3) < 3e-3
 
 
-def keyed_noise(key):
-    """A `TorchNoise` whose bits are the compiled kernels' hash: `int32(2)`
-    gives the key, `uint16` the eager operations' bits."""
+def hashed_reference(monkeypatch, key):
+    """Makes `random_bits.rounding_noise` (the `keras.ops` reference's
+    bits) the hash the kernels compute from `key`: the reference then
+    rounds with the kernels' bits."""
     from keras_dtype_policy.low_precision import random_bits
 
-    class KeyedNoise(random_bits.TorchNoise):
-        def __init__(self):
-            import torch
+    first, second = key
+    mixed = keras.ops.convert_to_tensor(first ^ (second * 32768), "int32")
 
-            self.device = torch.device("cpu")
-            self.key = key
+    def hashed(shape, bits, seed):
+        return random_bits.hashed_noise(shape, bits, mixed)
 
-        def int32(self, size, bits=16):
-            import torch
-
-            assert (size, bits) == (2, 16)
-            return torch.tensor(self.key, dtype=torch.int32)
-
-        def uint16(self, size):
-            from keras_dtype_policy.low_precision import random_bits
-
-            first, second = self.key
-            key = keras.ops.convert_to_tensor(first ^ (second * 32768), "int32")
-            bits = random_bits.hashed_noise((size,), 16, key)
-            return keras.ops.convert_to_numpy(bits).astype("uint16")
-
-    return KeyedNoise()
+    monkeypatch.setattr(random_bits, "rounding_noise", hashed)
 
 
-def quantized(values, code, noise=None):
-    """`torch_codes.quantize` then `dequantize` of `values`."""
+def kernel_key(key):
     import torch
 
-    from keras_dtype_policy.low_precision import torch_codes
-
-    blocks = values.numel() // code.block
-    codes = torch.empty((blocks, code.bytes_per_block), dtype=torch.int8)
-    scales = torch.empty(blocks)
-    scratch = [
-        torch.empty(values.numel()) for _ in range(torch_codes.SCRATCH_TENSORS)
-    ]
-    torch_codes.quantize(values.clone(), codes, scales, code, scratch, noise)
-    out = torch.empty(values.numel())
-    torch_codes.dequantize(out, codes, scales, code, scratch[0])
-    return codes.numpy(), scales.numpy().view("int32"), out.numpy()
+    return torch.tensor(key, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("signed", [True, False])
-def test_compiled_stochastic_codes_are_eager_ones_given_the_same_bits(
-    bits, signed, monkeypatch
-):
+def test_stochastic_codes_are_the_same_on_every_path(bits, signed, monkeypatch):
     import torch
 
     from keras_dtype_policy.low_precision import block_codes
     from keras_dtype_policy.low_precision import torch_kernels
 
-    if c_compiler() is None:
-        pytest.skip("no C++ compiler here: torch.compile cannot run")
     code = block_codes.code_for(bits, signed)
     rng = np.random.default_rng(1)
     values = coded_values(code, 40, rng)
     finite = torch.from_numpy(np.where(np.isfinite(values), values, 0.0))
+    key = (40961, 65535)
     monkeypatch.setattr(torch_kernels, "_failed", [])
-    results = {}
-    for switch in ("1", "0"):
+    switches = ("1", "0") if c_compiler() is not None else ("0",)
+    results = []
+    for switch in switches:
         monkeypatch.setenv(torch_kernels.SWITCH, switch)
-        results[switch] = quantized(finite, code, keyed_noise((40961, 65535)))
+        results.append(quantized(finite, code, kernel_key(key)))
     assert torch_kernels._failed == []
-    for compiled, eager in zip(results["1"], results["0"], strict=True):
-        np.testing.assert_array_equal(compiled, eager)
+    with monkeypatch.context() as patch:
+        hashed_reference(patch, key)
+        expected = block_codes.quantize(finite, code, seed=0)
+    for codes, scales, _ in results:
+        np.testing.assert_array_equal(codes, expected[0].numpy())
+        np.testing.assert_array_equal(scales, expected[1].numpy().view("int32"))
     # And the key matters: another one moves some codes.
-    other = quantized(finite, code, keyed_noise((7, 3)))
-    assert np.mean(other[0] != results["1"][0]) > 0.01
+    other = quantized(finite, code, kernel_key((7, 3)))
+    assert np.mean(other[0] != results[0][0]) > 0.01
 
 
 def test_a_compile_failure_warns_once_then_runs_eagerly(monkeypatch):
@@ -269,11 +233,9 @@ def test_the_switch_keeps_the_eager_operations(monkeypatch):
 
 
 @pytest.mark.parametrize("update", ["nearest", "stochastic_rounding"])
-def test_a_step_on_compiled_kernels(update, monkeypatch):
-    # Rounded to nearest, a step on compiled kernels is the eager step
-    # bit for bit. Stochastically, each path draws its own bits (the
-    # compiled kernel hashes a key, the eager operations read a stream):
-    # both are reproducible from the seed, and they agree on average.
+def test_a_step_on_compiled_kernels_is_the_eager_step(update, monkeypatch):
+    # Both paths run the same functions on the same bits (the kernels
+    # hash keys drawn from the step's stream): the same step bit for bit.
     from keras_dtype_policy import LowPrecisionOptimizer
     from keras_dtype_policy.low_precision import torch_kernels
 
@@ -307,55 +269,52 @@ def test_a_step_on_compiled_kernels(update, monkeypatch):
     assert torch_kernels._failed == []
     assert len(compiled_codes) == 2
     np.testing.assert_array_equal(compiled, again)
-    if update == "nearest":
-        np.testing.assert_array_equal(compiled, eager)
-        for a, b in zip(compiled_codes, eager_codes, strict=True):
-            np.testing.assert_array_equal(a, b)
-    else:
-        # Each of the 3 steps moves a weight by at most about the
-        # learning rate, 1e-2: other codes change a step's size a little.
-        np.testing.assert_allclose(compiled, eager, atol=1e-2)
-        moved = np.mean(np.abs(eager - start))
-        assert np.mean(np.abs(compiled - eager)) < 0.02 * moved
+    np.testing.assert_array_equal(compiled, eager)
+    for a, b in zip(compiled_codes, eager_codes, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.mean(np.abs(eager - start)) > 1e-3
 
 
-def test_compiled_bfloat16_rounding_is_the_eager_one_given_the_same_bits(
-    monkeypatch,
-):
+def test_bfloat16_rounding_is_the_same_on_every_path(monkeypatch):
     import torch
 
+    from keras_dtype_policy.low_precision import compensated_updates
     from keras_dtype_policy.low_precision import torch_kernels
-    from keras_dtype_policy.low_precision import torch_step
 
-    if c_compiler() is None:
-        pytest.skip("no C++ compiler here: torch.compile cannot run")
     rng = np.random.default_rng(4)
     values = rng.normal(size=5000).astype("float32")
     values *= rng.lognormal(0.0, 8.0, size=5000).astype("float32")
     values[:4] = [np.inf, -np.inf, 3.3e38, -0.0]
     values[4] = np.nan
     working = torch.from_numpy(values)
+    key = (3, 60000)
     monkeypatch.setattr(torch_kernels, "_failed", [])
-    results = {}
-    for switch in ("1", "0"):
+    switches = ("1", "0") if c_compiler() is not None else ("0",)
+    results = []
+    for switch in switches:
         monkeypatch.setenv(torch_kernels.SWITCH, switch)
         stored = torch.zeros(6000, dtype=torch.bfloat16)
         # At an offset in its storage, as a piece of a weight is.
-        torch_step.store_rounded(
-            stored[700:5700], working, keyed_noise((3, 60000))
+        torch_kernels.round_to_bfloat16(
+            stored[700:5700], working, kernel_key(key)
         )
-        results[switch] = stored.view(torch.int16).numpy().copy()
+        assert not stored[:700].any() and not stored[5700:].any()
+        results.append(stored[700:5700].view(torch.int16).numpy().copy())
     assert torch_kernels._failed == []
-    compiled, eager = results["1"], results["0"]
+    with monkeypatch.context() as patch:
+        hashed_reference(patch, key)
+        reference = compensated_updates.stochastic_round(working, "bfloat16", 0)
+    results.append(reference.view(torch.int16).numpy())
     # Bit for bit but for the NaN, a NaN either way (its sign and payload
     # are the conversion's).
-    nan = 700 + 4
-    finite = np.arange(6000) != nan
-    np.testing.assert_array_equal(compiled[finite], eager[finite])
-    as_float = torch.from_numpy(compiled).view(torch.bfloat16).float()
-    assert torch.isnan(as_float[nan])
+    finite = np.arange(5000) != 4
+    for got in results[1:]:
+        np.testing.assert_array_equal(got[finite], results[0][finite])
+    for got in results:
+        as_float = torch.from_numpy(got).view(torch.bfloat16).float()
+        assert torch.isnan(as_float[4])
     # The rounding is stochastic: some values went up, some down.
-    rounded = as_float[700:5700].numpy()
+    rounded = as_float.numpy()
     assert 0.2 < np.mean(rounded[5:] > values[5:]) < 0.8
 
 
@@ -367,7 +326,7 @@ def test_compiled_kernels_write_only_their_piece(codes_path):
     import torch
 
     from keras_dtype_policy.low_precision import block_codes
-    from keras_dtype_policy.low_precision import torch_codes
+    from keras_dtype_policy.low_precision import torch_kernels
 
     code = block_codes.code_for(8, True)
     rng = np.random.default_rng(5)
@@ -380,13 +339,8 @@ def test_compiled_kernels_write_only_their_piece(codes_path):
             size = (stop - first) * code.block
             values = arena[first * 7 : first * 7 + size]
             before = codes.clone(), scales.clone()
-            scratch = [torch.empty(size) for _ in range(4)]
-            torch_codes.quantize(
-                values.clone(),
-                codes[first:stop],
-                scales[first:stop],
-                code,
-                scratch,
+            torch_kernels.quantize(
+                values, codes[first:stop], scales[first:stop], code
             )
             expected = block_codes.quantize(values, code)
             np.testing.assert_array_equal(

@@ -169,14 +169,15 @@ def test_doctor_says_how_quantized_state_runs_on_torch(
     # On torch on a CPU a note says whether the 8-bit and 4-bit state
     # kernels compile; JAX and TensorFlow have no such note (XLA compiles
     # their step).
-    from keras_dtype_policy.low_precision import torch_kernels
-
-    # As in a fresh process: no compile has failed yet in this one.
-    monkeypatch.setattr(torch_kernels, "_failed", [])
     # Each case sets the switch: tox's torch environment turns it off.
     compiles = env == {"KDP_TORCH_COMPILE": "1"}
-    if compiles and torch_kernels.c_compiler() is None:
-        pytest.skip("no C++ compiler here: the first case cannot arise")
+    if BACKEND == "torch":
+        from keras_dtype_policy.low_precision import torch_kernels
+
+        # As in a fresh process: no compile has failed yet in this one.
+        monkeypatch.setattr(torch_kernels, "_failed", [])
+        if compiles and torch_kernels.c_compiler() is None:
+            pytest.skip("no C++ compiler here: the first case cannot arise")
     if not compiles and BACKEND != "torch":
         pytest.skip("the note is torch's: one run shows it absent here")
     result = call_cli("doctor", "--json", env=env)
