@@ -1,10 +1,11 @@
 """The few questions about the running backend that keras.ops cannot answer.
 
-Backend libraries are imported inside the functions, only once Keras already
-runs on that backend: importing this package imports none of them.
+The backend is asked of `backend_dispatch`; a backend library is imported
+inside a function, only once Keras already runs on that backend: importing
+this package imports none of them.
 """
 
-import keras
+from keras_dtype_policy import backend_dispatch
 
 
 def is_concrete(tensor):
@@ -13,13 +14,29 @@ def is_concrete(tensor):
     A concrete boolean can steer Python control flow; a traced one (inside a
     `tf.function` or `jax.jit`) needs `keras.ops.cond`.
     """
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
+    if backend_dispatch.is_tensorflow():
         import tensorflow as tf
 
         return tf.executing_eagerly()
-    if backend == "jax":
+    if backend_dispatch.is_jax():
         import jax
 
         return not isinstance(tensor, jax.core.Tracer)
     return True
+
+
+def is_indexed_slices(value):
+    """Returns True if `value` is a TensorFlow `IndexedSlices` (a sparse
+    gradient, which only TensorFlow has)."""
+    if not backend_dispatch.is_tensorflow():
+        return False
+    import tensorflow as tf
+
+    return isinstance(value, tf.IndexedSlices)
+
+
+def with_values(slices, values):
+    """Returns the `IndexedSlices` `slices` holding `values` instead."""
+    import tensorflow as tf
+
+    return tf.IndexedSlices(values, slices.indices, slices.dense_shape)

@@ -57,11 +57,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def __init__(
         self,
-        record_steps=False,
-        max_consecutive_skips=None,
-        plot_path=None,
-        verbose=1,
-    ):
+        record_steps: bool = False,
+        max_consecutive_skips: int | None = None,
+        plot_path: str | os.PathLike | None = None,
+        verbose: int = 1,
+    ) -> None:
         super().__init__()
         if not isinstance(record_steps, bool):
             raise TypeError(
@@ -83,9 +83,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.max_consecutive_skips = max_consecutive_skips
         self.plot_path = plot_path
         self.verbose = int(verbose)
-        self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
+        self.trajectory: dict[str, list] = {key: [] for key in TRAJECTORY_KEYS}
         self.stop_reason = None
-        self.skip_report = []
+        self.skip_report: list = []
         self._optimizer = None
         if self.record_steps or max_consecutive_skips is not None:
             # Defined per instance, so a monitor that reads once per epoch
@@ -93,12 +93,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
             # Keras dispatch the other callbacks' batch work asynchronously.
             self.on_train_batch_end = self._after_steps
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         optimizer = self.model.optimizer
         self.trajectory = {key: [] for key in TRAJECTORY_KEYS}
         self.stop_reason = None
         self.skip_report = []
-        self._epoch_counts = {}
+        self._epoch_counts: dict = {}
         self._epoch_skipped = 0
         self._steps_done = 0
         self._epoch = 0
@@ -118,7 +118,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._optimizer = optimizer
         _, self._iterations, self._skipped = _read_state(optimizer)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch + 1
         if self._optimizer is not None and self._attributes():
             # At the start of an epoch Keras' state is in the variables.
@@ -129,7 +129,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # Only this package's optimizer records where a step overflowed.
         return isinstance(self._optimizer, LossScaleOptimizer)
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(
+        self, batch: int, logs: dict | None = None
+    ) -> None:
         self._first_step = batch
 
     def _after_steps(self, batch, logs=None):
@@ -177,7 +179,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         for key, value in zip(TRAJECTORY_KEYS, values, strict=True):
             self.trajectory[key].append(value)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._optimizer is None or logs is None:
             return
         scale, _, skipped = _read_state(self.model.optimizer)
@@ -206,7 +208,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _reads_every_step(self):
         return self.record_steps or self.max_consecutive_skips is not None
 
-    def summary(self):
+    def summary(self) -> str:
         """Returns the skipped steps and where they overflowed, as text.
 
         One line per entry of `skip_report`, for example
@@ -237,7 +239,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
         return "\n".join(lines)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         if self.verbose and self.skip_report:
             print(self.summary(), flush=True)
         if self.plot_path is not None:

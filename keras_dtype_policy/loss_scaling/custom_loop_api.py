@@ -20,10 +20,11 @@ loop's calls run in the same order within one trace.
 
 import warnings
 
-import keras
 from keras import ops
 
 from keras_dtype_policy.loss_scaling import loss_gradients
+from keras_dtype_policy.loss_scaling.backend_utils import is_indexed_slices
+from keras_dtype_policy.loss_scaling.backend_utils import with_values
 
 
 class CustomLoopApi:
@@ -123,12 +124,7 @@ class CustomLoopApi:
         if not self.built:
             self.build(variables)
         grads = loss_gradients.scaled_gradients(self, loss, variables, tape)
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                self.apply(grads, variables)
-        else:
+        with loss_gradients.no_gradient_recorded():
             self.apply(grads, variables)
 
     def _begin_step(self, grads):
@@ -155,12 +151,8 @@ def multiply(value, factor):
     """`value * factor` in the value's dtype; sparse values stay sparse."""
     if value is None:
         return None
-    if type(value).__name__ == "IndexedSlices":
-        import tensorflow as tf
-
-        return tf.IndexedSlices(
-            multiply(value.values, factor), value.indices, value.dense_shape
-        )
+    if is_indexed_slices(value):
+        return with_values(value, multiply(value.values, factor))
     value = ops.convert_to_tensor(value)
     return ops.multiply(value, ops.cast(factor, value.dtype))
 

@@ -39,19 +39,37 @@ overwritten with its gradient (`overwrite_with_gradient`) is checked but
 never unscaled, as in Keras. `tf.IndexedSlices` are checked and unscaled by
 their values.
 
-Backends are imported inside the functions, once Keras runs on them.
+The backend is asked of `backend_dispatch`; backends are imported inside
+the functions, once Keras runs on them.
 """
 
 import math
+from typing import NamedTuple
 
 import keras
 from keras import ops
+
+from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy.loss_scaling.backend_utils import is_indexed_slices
+from keras_dtype_policy.loss_scaling.backend_utils import with_values
 
 # The most values the JAX check joins into one bucket (256 KiB of float32):
 # large enough that reading a bucket outweighs its kernel's fixed cost,
 # small enough that XLA finds room for it among the step's buffers (the
 # compiled step's temporary memory stays that of Keras' own wrapper).
 BUCKET_ELEMENTS = 1 << 16
+
+
+class CheckedGradients(NamedTuple):
+    """What `check_and_unscale` gives back.
+
+    Attributes:
+        finite: A boolean scalar tensor: True if every gradient is finite.
+        grads: The gradients divided by the scale, in new tensors.
+    """
+
+    finite: object
+    grads: list
 
 
 def all_finite(grads):
@@ -66,12 +84,11 @@ def all_finite(grads):
     tensors = [_values(g) for g in grads if g is not None]
     if not tensors:
         return ops.convert_to_tensor(True)
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
+    if backend_dispatch.is_tensorflow():
         return _tf_all_finite(tensors)
-    if backend == "torch":
+    if backend_dispatch.is_torch():
         return _torch_all_finite(tensors)
-    if backend == "jax":
+    if backend_dispatch.is_jax():
         return _bucketed_all_finite(tensors)
     return _portable_all_finite(tensors)
 
@@ -127,9 +144,9 @@ def check_and_unscale(grads, scale, keep=None):
             gradient as it is (checked, not unscaled).
 
     Returns:
-        A tuple `(finite, unscaled_grads)`: a boolean scalar tensor, and the
-        gradients divided by the scale, in new tensors (`grads` are left as
-        they are).
+        A `CheckedGradients`: whether all are finite, and the gradients
+        divided by the scale, in new tensors (`grads` are left as they
+        are).
     """
     keep = keep or [False] * len(grads)
     if len(keep) != len(grads):
@@ -137,22 +154,18 @@ def check_and_unscale(grads, scale, keep=None):
             "`keep` must have one entry per gradient. Received: "
             f"{len(keep)} entries for {len(grads)} gradients"
         )
-    if keras.backend.backend() == "torch":
+    if backend_dispatch.is_torch():
         fused = _torch_check_and_unscale(grads, scale, keep)
         if fused is not None:
             return fused
-    return all_finite(grads), unscale(grads, scale, keep)
+    return CheckedGradients(all_finite(grads), unscale(grads, scale, keep))
 
 
 def _values(gradient):
     # The tensor holding a gradient's numbers (IndexedSlices: its values).
-    if _is_indexed_slices(gradient):
+    if is_indexed_slices(gradient):
         return gradient.values
     return ops.convert_to_tensor(gradient)
-
-
-def _is_indexed_slices(gradient):
-    return hasattr(gradient, "indices") and hasattr(gradient, "dense_shape")
 
 
 def _value(scale):
@@ -164,14 +177,8 @@ def _value(scale):
 def _unscaled(gradient, inverse):
     # Times the float32 reciprocal of the scale: as Keras' divide by the
     # float32 scale, a float16 or bfloat16 gradient comes back as float32.
-    if _is_indexed_slices(gradient):
-        import tensorflow as tf
-
-        return tf.IndexedSlices(
-            _unscaled(gradient.values, inverse),
-            gradient.indices,
-            gradient.dense_shape,
-        )
+    if is_indexed_slices(gradient):
+        return with_values(gradient, _unscaled(gradient.values, inverse))
     return ops.multiply(gradient, inverse)
 
 
@@ -287,14 +294,13 @@ def _torch_check_and_unscale(grads, scale, keep):
             for index, copy in zip(fused_at, copies, strict=True):
                 unscaled[index] = copy
         finite = torch.eq(found[0], 0)
-    if not others:
-        return finite, unscaled
-    rest = [grads[i] for i in others]
-    finite = torch.logical_and(finite, _torch_all_finite(rest))
-    rest = unscale(rest, scale, [keep[i] for i in others])
-    for index, gradient in zip(others, rest, strict=True):
-        unscaled[index] = gradient
-    return finite, unscaled
+    if others:
+        rest = [grads[i] for i in others]
+        finite = torch.logical_and(finite, _torch_all_finite(rest))
+        rest = unscale(rest, scale, [keep[i] for i in others])
+        for index, gradient in zip(others, rest, strict=True):
+            unscaled[index] = gradient
+    return CheckedGradients(finite, unscaled)
 
 
 # Devices whose fused kernel PyTorch builds by default.

@@ -102,7 +102,7 @@ class ForwardsHyperparameters:
     names the attributes it keeps for itself in `_wrapper_names`.
     """
 
-    _wrapper_names = frozenset()
+    _wrapper_names: frozenset[str] = frozenset()
 
     use_ema = InnerSetting()
     ema_momentum = InnerSetting()

@@ -11,11 +11,16 @@ each backend differentiates its own way:
 - PyTorch runs the loss callable and calls `torch.autograd.grad`.
 
 A non-scalar loss is summed first, as `tf.GradientTape.gradient` does. The
-backend is imported inside the functions, only once Keras runs on it.
+backend is asked of `backend_dispatch` and imported inside the functions,
+only once Keras runs on it.
 """
+
+import contextlib
 
 import keras
 from keras import ops
+
+from keras_dtype_policy import backend_dispatch
 
 
 def variable_list(var_list):
@@ -53,8 +58,8 @@ def scaled_gradients(optimizer, loss, variables, tape=None):
     Returns:
         A list of gradients, one per variable (None where unconnected).
     """
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
+    backend = backend_dispatch.name()
+    if backend_dispatch.is_tensorflow():
         return _tensorflow_gradients(optimizer, loss, variables, tape)
     if tape is not None:
         raise ValueError(
@@ -69,9 +74,9 @@ def scaled_gradients(optimizer, loss, variables, tape=None):
             f"differentiated afterwards). Received: loss={loss!r} "
             f"(of type {type(loss).__name__})"
         )
-    if backend == "jax":
+    if backend_dispatch.is_jax():
         return _jax_gradients(optimizer, loss, variables)
-    if backend == "torch":
+    if backend_dispatch.is_torch():
         return _torch_gradients(optimizer, loss, variables)
     raise ValueError(
         f"`minimize` supports the tensorflow, jax and torch backends. "
@@ -120,3 +125,13 @@ def _torch_gradients(optimizer, loss, variables):
             scaled, [v.value for v in variables], allow_unused=True
         )
     )
+
+
+def no_gradient_recorded():
+    """Returns a context in which PyTorch records no gradient (a step's
+    writes to the weights are no part of the loss); elsewhere, nothing."""
+    if backend_dispatch.is_torch():
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()

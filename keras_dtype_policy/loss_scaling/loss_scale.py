@@ -8,6 +8,7 @@ that drives one by hand.
 """
 
 import numbers
+from typing import Any
 
 import numpy as np
 from keras import ops
@@ -15,6 +16,7 @@ from keras import ops
 from keras_dtype_policy.loss_scaling import scale_rule
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
+from keras_dtype_policy.types import Tensor
 
 # The largest finite float32: a scale above it would read as inf.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -26,7 +28,7 @@ class LossScale:
     dynamic = False
 
     @property
-    def initial_scale(self):
+    def initial_scale(self) -> float:
         """The scale the loss is multiplied by at the first step."""
         raise NotImplementedError
 
@@ -34,7 +36,7 @@ class LossScale:
         """Returns the current scale, a float32 scalar tensor."""
         return ops.convert_to_tensor(self._current, dtype="float32")
 
-    def update(self, grads):
+    def update(self, grads: list[Tensor | None]) -> tuple[None, Tensor]:
         """Moves the current scale after one step's gradients.
 
         Eager only: the gradients must hold concrete values.
@@ -55,11 +57,11 @@ class LossScale:
     def _step(self, finite):
         pass
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "LossScale":
         if not isinstance(config, dict):
             raise TypeError(
                 f"A {cls.__name__} config must be a dict. "
@@ -100,7 +102,7 @@ class FixedLossScale(LossScale):
     1024.0
     """
 
-    def __init__(self, loss_scale_value):
+    def __init__(self, loss_scale_value: float) -> None:
         if isinstance(loss_scale_value, bool) or not isinstance(
             loss_scale_value, numbers.Real
         ):
@@ -110,21 +112,21 @@ class FixedLossScale(LossScale):
                 f"Received: loss_scale_value={loss_scale_value!r} "
                 f"(of type {type(loss_scale_value).__name__})"
             )
-        self._value = check_positive_number(
+        self._value: float = check_positive_number(
             "loss_scale_value", loss_scale_value
         )
         self._current = self._value
 
     @property
-    def initial_scale(self):
+    def initial_scale(self) -> float:
         return self._value
 
     @property
-    def initial_loss_scale(self):
+    def initial_loss_scale(self) -> float:
         """The scale, as tf.keras named it for every loss scale."""
         return self._value
 
-    def update(self, grads):
+    def update(self, grads: list[Tensor | None]) -> tuple[None, Tensor]:
         """Returns `(None, True)`, as TensorFlow's `FixedLossScale` did.
 
         A fixed scale never moves, and neither checks `grads` nor ever asks
@@ -133,7 +135,7 @@ class FixedLossScale(LossScale):
         del grads
         return None, True
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"loss_scale_value": self._value}
 
 
@@ -162,11 +164,11 @@ class DynamicLossScale(LossScale):
 
     def __init__(
         self,
-        initial_loss_scale=2.0**15,
-        increment_period=2000,
-        multiplier=2.0,
-        hysteresis=1,
-    ):
+        initial_loss_scale: float = 2.0**15,
+        increment_period: int = 2000,
+        multiplier: float = 2.0,
+        hysteresis: int = 1,
+    ) -> None:
         self._initial = check_positive_number(
             "initial_loss_scale", initial_loss_scale
         )
@@ -185,11 +187,11 @@ class DynamicLossScale(LossScale):
         self._nonfinite_in_a_row = 0
 
     @property
-    def initial_scale(self):
+    def initial_scale(self) -> float:
         return self._initial
 
     @property
-    def initial_loss_scale(self):
+    def initial_loss_scale(self) -> float:
         """The first scale, under tf.keras' name."""
         return self._initial
 
@@ -216,7 +218,7 @@ class DynamicLossScale(LossScale):
         self._counter = int(ops.convert_to_numpy(counter))
         self._nonfinite_in_a_row = int(ops.convert_to_numpy(streak))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = {
             "initial_loss_scale": self._initial,
             "increment_period": self.increment_period,
@@ -230,7 +232,9 @@ class DynamicLossScale(LossScale):
 _CLASSES = {cls.__name__: cls for cls in (FixedLossScale, DynamicLossScale)}
 
 
-def get_loss_scale(loss_scale):
+def get_loss_scale(
+    loss_scale: float | str | LossScale | dict[str, Any] | None,
+) -> LossScale | None:
     """Turns a loss-scale spec into a loss-scale value, or None.
 
     Args:

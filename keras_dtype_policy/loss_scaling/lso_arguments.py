@@ -1,10 +1,29 @@
 """The checks of `LossScaleOptimizer`'s arguments, with tf.keras' rules."""
 
+import dataclasses
+
 import keras
 
 from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.policies.validation import check_positive_int
 from keras_dtype_policy.policies.validation import check_positive_number
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A `LossScaleOptimizer`'s settings, checked, defaults filled in.
+
+    The fields are the optimizer's arguments of the same names.
+    """
+
+    initial_scale: float
+    dynamic_growth_steps: int
+    dynamic: bool
+    growth_factor: float
+    backoff_factor: float
+    min_scale: float
+    max_scale: float
+    hysteresis: int
 
 
 def checked(
@@ -19,7 +38,7 @@ def checked(
     max_scale,
     hysteresis,
 ):
-    """Returns the settings as a dict, defaults filled in by tf.keras' rules.
+    """Returns the `Settings`, defaults filled in by tf.keras' rules.
 
     Raises:
         TypeError: for an argument of the wrong type.
@@ -35,44 +54,40 @@ def checked(
             f"Received: dynamic={dynamic!r} "
             f"(of type {type(dynamic).__name__})"
         )
-    initial_scale, dynamic_growth_steps = _scale_arguments(
-        dynamic, initial_scale, dynamic_growth_steps
+    settings = Settings(
+        initial_scale=_initial_scale(dynamic, initial_scale),
+        dynamic_growth_steps=_growth_steps(dynamic, dynamic_growth_steps),
+        dynamic=dynamic,
+        growth_factor=_factor("growth_factor", growth_factor, above_one=True),
+        backoff_factor=_factor("backoff_factor", backoff_factor),
+        min_scale=check_positive_number("min_scale", min_scale),
+        max_scale=check_positive_number("max_scale", max_scale),
+        hysteresis=check_positive_int("hysteresis", hysteresis),
     )
-    initial_scale = check_positive_number("initial_scale", initial_scale)
-    dynamic_growth_steps = check_positive_int(
-        "dynamic_growth_steps", dynamic_growth_steps
-    )
-    growth_factor = check_positive_number("growth_factor", growth_factor)
-    if growth_factor <= 1.0:
-        raise ValueError(
-            "`growth_factor` must be greater than 1. "
-            f"Received: growth_factor={growth_factor!r}"
-        )
-    backoff_factor = check_positive_number("backoff_factor", backoff_factor)
-    if backoff_factor >= 1.0:
-        raise ValueError(
-            "`backoff_factor` must be between 0 and 1. "
-            f"Received: backoff_factor={backoff_factor!r}"
-        )
-    min_scale = check_positive_number("min_scale", min_scale)
-    max_scale = check_positive_number("max_scale", max_scale)
-    hysteresis = check_positive_int("hysteresis", hysteresis)
-    if dynamic and not min_scale <= initial_scale <= max_scale:
+    low, high = settings.min_scale, settings.max_scale
+    if dynamic and not low <= settings.initial_scale <= high:
         raise ValueError(
             "A dynamic scale needs min_scale <= initial_scale <= "
-            f"max_scale. Received: min_scale={min_scale!r}, "
-            f"initial_scale={initial_scale!r}, max_scale={max_scale!r}"
+            f"max_scale. Received: min_scale={settings.min_scale!r}, "
+            f"initial_scale={settings.initial_scale!r}, "
+            f"max_scale={settings.max_scale!r}"
         )
-    return {
-        "initial_scale": initial_scale,
-        "dynamic_growth_steps": dynamic_growth_steps,
-        "dynamic": dynamic,
-        "growth_factor": growth_factor,
-        "backoff_factor": backoff_factor,
-        "min_scale": min_scale,
-        "max_scale": max_scale,
-        "hysteresis": hysteresis,
-    }
+    return settings
+
+
+def _factor(name, value, above_one=False):
+    """Returns the positive number `value`, checked to be above 1 (a
+    growth factor) or below it (a backoff factor)."""
+    value = check_positive_number(name, value)
+    if above_one and value <= 1.0:
+        raise ValueError(
+            f"`{name}` must be greater than 1. Received: {name}={value!r}"
+        )
+    if not above_one and value >= 1.0:
+        raise ValueError(
+            f"`{name}` must be between 0 and 1. Received: {name}={value!r}"
+        )
+    return value
 
 
 def _check_inner_optimizer(inner_optimizer):
@@ -99,24 +114,29 @@ def _check_inner_optimizer(inner_optimizer):
     optimizer_values.check_inner_learning_rate(inner_optimizer)
 
 
-def _scale_arguments(dynamic, initial_scale, dynamic_growth_steps):
-    """Returns `(initial_scale, dynamic_growth_steps)` by tf.keras' rules."""
-    if dynamic:
-        if initial_scale is None:
-            initial_scale = 2.0**15
-        if dynamic_growth_steps is None:
-            dynamic_growth_steps = 2000
-        return initial_scale, dynamic_growth_steps
+def _initial_scale(dynamic, initial_scale):
+    """Returns the initial scale by tf.keras' rules."""
     if initial_scale is None:
-        raise ValueError(
-            '"initial_scale" must be specified if "dynamic" is False. '
-            "Received: initial_scale=None"
-        )
-    if dynamic_growth_steps is not None:
-        raise ValueError(
-            '"dynamic_growth_steps" must be None if "dynamic" is False, but '
-            f"got: {dynamic_growth_steps}. "
-            f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
-        )
-    # Keras' base class keeps a number; a fixed scale never reads it.
-    return initial_scale, 2000
+        if not dynamic:
+            raise ValueError(
+                '"initial_scale" must be specified if "dynamic" is False. '
+                "Received: initial_scale=None"
+            )
+        initial_scale = 2.0**15
+    return check_positive_number("initial_scale", initial_scale)
+
+
+def _growth_steps(dynamic, dynamic_growth_steps):
+    """Returns `dynamic_growth_steps` by tf.keras' rules."""
+    if not dynamic:
+        if dynamic_growth_steps is not None:
+            raise ValueError(
+                '"dynamic_growth_steps" must be None if "dynamic" is False, '
+                f"but got: {dynamic_growth_steps}. "
+                f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
+            )
+        # Keras' base class keeps a number; a fixed scale never reads it.
+        return 2000
+    if dynamic_growth_steps is None:
+        dynamic_growth_steps = 2000
+    return check_positive_int("dynamic_growth_steps", dynamic_growth_steps)

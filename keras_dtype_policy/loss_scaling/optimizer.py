@@ -1,11 +1,14 @@
 """`LossScaleOptimizer`: dynamic and fixed loss scaling on every backend."""
 
 import inspect
+from typing import Any
+from typing import NamedTuple
 
 import keras
 import numpy as np
 from keras import ops
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
 from keras_dtype_policy.loss_scaling import lso_arguments
@@ -14,13 +17,14 @@ from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.loss_scaling import tf_keras_configs
 from keras_dtype_policy.loss_scaling import tf_replicas
 from keras_dtype_policy.loss_scaling.backend_utils import is_concrete
+from keras_dtype_policy.loss_scaling.backend_utils import is_indexed_slices
 from keras_dtype_policy.loss_scaling.custom_loop_api import CustomLoopApi
 from keras_dtype_policy.loss_scaling.inner_hyperparameters import (
     ForwardsHyperparameters,
 )
 from keras_dtype_policy.loss_scaling.saved_layouts import SavedLayouts
-from keras_dtype_policy.low_precision import tensorflow_step
 from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.types import Tensor
 
 
 @register
@@ -66,18 +70,18 @@ class LossScaleOptimizer(
 
     def __init__(
         self,
-        inner_optimizer,
-        dynamic=True,
-        initial_scale=None,
-        dynamic_growth_steps=None,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        min_scale=1.0,
-        max_scale=2.0**24,
-        hysteresis=1,
-        name=None,
-        **kwargs,
-    ):
+        inner_optimizer: keras.optimizers.Optimizer,
+        dynamic: bool = True,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         settings = lso_arguments.checked(
             inner_optimizer,
             dynamic=dynamic,
@@ -91,8 +95,8 @@ class LossScaleOptimizer(
         )
         super().__init__(
             inner_optimizer,
-            initial_scale=settings.pop("initial_scale"),
-            dynamic_growth_steps=settings.pop("dynamic_growth_steps"),
+            initial_scale=settings.initial_scale,
+            dynamic_growth_steps=settings.dynamic_growth_steps,
             name=name,
             **kwargs,
         )
@@ -100,10 +104,10 @@ class LossScaleOptimizer(
         self._make_records()
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
         self._reset_loop_record()
-        for key, value in settings.items():
-            setattr(self, key, value)
+        for key in _EXTRA_DEFAULTS:
+            setattr(self, key, getattr(settings, key))
 
-    def build(self, var_list):
+    def build(self, var_list: list) -> None:
         if state_arrival.defers_build(var_list):
             return
         self._reading_own_settings = True
@@ -131,7 +135,7 @@ class LossScaleOptimizer(
         self._apply_pending_records()
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         """The current loss scale, a Python float that also has `.numpy()`.
 
         As tf.keras' tensor did, it converts to a tensor with
@@ -142,7 +146,7 @@ class LossScaleOptimizer(
         return _Reading(float(self.dynamic_scale.numpy()))
 
     @property
-    def dynamic_counter(self):
+    def dynamic_counter(self) -> int | None:
         """Finite steps since the scale last changed (or a step was
         skipped), as a Python int; None for a fixed scale, as in tf.keras."""
         if not self.dynamic:
@@ -152,7 +156,7 @@ class LossScaleOptimizer(
         return int(self.step_counter.numpy())
 
     @property
-    def dynamic_growth_steps(self):
+    def dynamic_growth_steps(self) -> int | None:
         """Finite steps in a row that make the scale grow; None for a fixed
         scale, as in tf.keras."""
         if not self.__dict__.get("dynamic", True):
@@ -164,14 +168,14 @@ class LossScaleOptimizer(
         self._growth_steps = value
 
     @property
-    def skipped_steps(self):
+    def skipped_steps(self) -> int:
         """The number of steps skipped for non-finite gradients, as an int."""
         if not self.built:
             return 0
         return int(self._skipped_step_counter.numpy())
 
     @property
-    def nonfinite_steps_in_a_row(self):
+    def nonfinite_steps_in_a_row(self) -> int:
         """Steps skipped in a row up to the last one, as an int: 0 after a
         finite step. The scale is lowered once this reaches `hysteresis`."""
         if not self.built:
@@ -179,7 +183,7 @@ class LossScaleOptimizer(
         return int(self._nonfinite_streak.numpy())
 
     @property
-    def nonfinite_gradients(self):
+    def nonfinite_gradients(self) -> list[str]:
         """The paths of the variables whose gradients were not finite at
         the last skipped step, in the order of the variables; `[]` before
         any step was skipped.
@@ -188,17 +192,10 @@ class LossScaleOptimizer(
         """
         if not self.built:
             return []
-        mask = keras.ops.convert_to_numpy(self._last_nonfinite_mask)
-        return [
-            variable.path
-            for variable, flagged in zip(
-                self._trainable_variables, mask, strict=True
-            )
-            if flagged
-        ]
+        return list(self._nonzero_by_path(self._last_nonfinite_mask))
 
     @property
-    def nonfinite_gradient_counts(self):
+    def nonfinite_gradient_counts(self) -> dict[str, int]:
         """For each variable whose gradient was ever non-finite at a
         skipped step, its path and the number of such steps, as a dict.
 
@@ -206,16 +203,26 @@ class LossScaleOptimizer(
         """
         if not self.built:
             return {}
-        counts = keras.ops.convert_to_numpy(self._nonfinite_counts)
+        return self._nonzero_by_path(self._nonfinite_counts)
+
+    def _nonzero_by_path(self, vector):
+        # `{path: entry}` for each trainable variable whose entry in the
+        # int vector `vector` (one entry per variable) is not 0.
+        entries = keras.ops.convert_to_numpy(vector)
         return {
-            variable.path: int(count)
-            for variable, count in zip(
-                self._trainable_variables, counts, strict=True
+            variable.path: int(entry)
+            for variable, entry in zip(
+                self._trainable_variables, entries, strict=True
             )
-            if count
+            if entry
         }
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self,
+        optimizer_variables: list[Tensor],
+        grads: list[Tensor],
+        trainable_variables: list[Tensor],
+    ) -> tuple[list[Tensor], list[Tensor]]:
         if not self.built:
             raise ValueError(
                 f"To call `stateless_apply`, {type(self).__name__} must be "
@@ -230,66 +237,63 @@ class LossScaleOptimizer(
             self._unscales_this_step = True
 
     def _stateless_step(self, optimizer_variables, grads, trainable_variables):
-        own_count = len(self._variables)
-        own_values = list(optimizer_variables[:own_count])
-        inner_values = list(optimizer_variables[own_count:])
-        position = {id(v): i for i, v in enumerate(self._variables)}
-        scale_at = position[id(self.dynamic_scale)]
-        counter_at = position[id(self.step_counter)]
-        skipped_at = position[id(self._skipped_step_counter)]
-        streak_at = position[id(self._nonfinite_streak)]
-        counts_at = position[id(self._nonfinite_counts)]
-        mask_at = position[id(self._last_nonfinite_mask)]
-
-        finite = self.check_finite(grads)
-
-        def apply_step():
-            # Unscaled inside the branch, where XLA fuses the division into
-            # the inner optimizer's update.
-            unscaled_grads = self._unscale(
-                grads, own_values[scale_at], self._trainable_variables
+        # As in Keras' own wrapper: in the scope every variable reads its
+        # given value, and what the step assigns is read back from it.
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            inner_values = [
+                scope.get_current_value(v)
+                for v in self.inner_optimizer.variables
+            ]
+            finite = self.check_finite(grads)
+            outcome = ops.cond(
+                finite,
+                lambda: self._stateless_apply_branch(
+                    grads, inner_values, trainable_variables
+                ),
+                lambda: self._stateless_skip_branch(
+                    grads, inner_values, trainable_variables
+                ),
             )
-            new_trainables, new_inner = self.inner_optimizer.stateless_apply(
-                inner_values, unscaled_grads, trainable_variables
+            self._nonfinite_counts.assign(outcome.nonfinite_counts)
+            self._last_nonfinite_mask.assign(outcome.last_nonfinite_mask)
+            self._take_scale_step(finite)
+            skipped = ops.convert_to_tensor(self._skipped_step_counter)
+            self._skipped_step_counter.assign(
+                ops.where(
+                    finite, skipped, ops.add(skipped, ops.ones_like(skipped))
+                )
             )
-            return (
-                list(new_trainables),
-                list(new_inner),
-                own_values[counts_at],
-                own_values[mask_at],
-            )
+        own_values = [scope.get_current_value(v) for v in self._variables]
+        return list(outcome.trainables), own_values + list(outcome.inner)
 
-        def skip_step():
-            # The only place the gradients are checked one by one.
-            mask = self._nonfinite_mask(grads)
-            return (
-                list(trainable_variables),
-                list(inner_values),
-                ops.add(own_values[counts_at], mask),
-                mask,
-            )
-
-        (
-            new_trainables,
-            new_inner_values,
-            own_values[counts_at],
-            own_values[mask_at],
-        ) = ops.cond(finite, apply_step, skip_step)
-        (
-            own_values[scale_at],
-            own_values[counter_at],
-            own_values[streak_at],
-        ) = self._next_scale_state(
-            own_values[scale_at],
-            own_values[counter_at],
-            own_values[streak_at],
-            finite,
+    def _stateless_apply_branch(self, grads, inner_values, trainables):
+        # Unscaled inside the branch, where XLA fuses the multiply into the
+        # inner optimizer's update.
+        unscaled = self._unscale(
+            grads, self.dynamic_scale, self._trainable_variables
         )
-        skipped = ops.convert_to_tensor(own_values[skipped_at])
-        own_values[skipped_at] = ops.where(
-            finite, skipped, ops.add(skipped, ops.ones_like(skipped))
+        new_trainables, new_inner = self.inner_optimizer.stateless_apply(
+            inner_values, unscaled, trainables
         )
-        return list(new_trainables), own_values + list(new_inner_values)
+        return _StatelessOutcome(
+            trainables=list(new_trainables),
+            inner=list(new_inner),
+            nonfinite_counts=ops.convert_to_tensor(self._nonfinite_counts),
+            last_nonfinite_mask=ops.convert_to_tensor(
+                self._last_nonfinite_mask
+            ),
+        )
+
+    def _stateless_skip_branch(self, grads, inner_values, trainables):
+        # The only place the gradients are checked one by one.
+        mask = self._nonfinite_mask(grads)
+        return _StatelessOutcome(
+            trainables=list(trainables),
+            inner=list(inner_values),
+            nonfinite_counts=ops.add(self._nonfinite_counts, mask),
+            last_nonfinite_mask=mask,
+        )
 
     def _nonfinite_mask(self, grads, trainable_variables=None):
         """An int vector, one entry per variable the optimizer was built
@@ -309,13 +313,12 @@ class LossScaleOptimizer(
         return ops.stack(entries)
 
     def _tf_apply(self, grads, trainable_variables=None):
-        if tf_replicas.outside_strategies() and not (
-            tensorflow_step.has_sparse(grads)
-        ):
+        step = backend_dispatch.module_for("low_precision_step")
+        if tf_replicas.outside_strategies() and not step.has_sparse(grads):
             # One XLA computation: the check, the unscale, the inner step
             # and the scale's update (Keras runs TensorFlow op by op on a
             # CPU).
-            tensorflow_step.compiled_apply(
+            step.compiled_apply(
                 self,
                 grads,
                 trainable_variables or self._trainable_variables,
@@ -325,7 +328,7 @@ class LossScaleOptimizer(
         # Under tf.distribute, all replicas agree on skipping a step.
         tf_replicas.apply(self, grads, trainable_variables)
 
-    def check_finite(self, grads):
+    def check_finite(self, grads: list[Tensor | None]) -> Tensor:
         """Returns a boolean scalar tensor: True if all `grads` are finite.
 
         One fused check over all gradients (see `gradient_check`).
@@ -335,25 +338,10 @@ class LossScaleOptimizer(
     def _common_apply(self, grads, trainable_variables=None, finite=None):
         if (
             finite is None
-            and keras.backend.backend() == "torch"
+            and backend_dispatch.is_torch()
             and not self._skips_unscaling()
         ):
-            # One fused kernel checks and unscales every gradient (in copies:
-            # the caller's gradients are left as they are).
-            variables = trainable_variables or self._trainable_variables
-            finite, unscaled = gradient_check.check_and_unscale(
-                grads, self.dynamic_scale, self._kept(variables)
-            )
-            if bool(finite):
-                self.inner_optimizer.apply(
-                    unscaled, trainable_variables=trainable_variables
-                )
-                self._count_finite_step()
-            else:
-                # Unscaled, a NaN or Inf stays one: the attribution holds.
-                self._stateful_handle_non_finite_grads(
-                    unscaled, trainable_variables
-                )
+            self._fused_apply(grads, trainable_variables)
             return
         if finite is None:
             finite = self.check_finite(grads)
@@ -372,16 +360,31 @@ class LossScaleOptimizer(
         else:
             self._stateful_handle_non_finite_grads(grads, trainable_variables)
 
+    def _fused_apply(self, grads, trainable_variables):
+        # One fused kernel checks and unscales every gradient (in copies:
+        # the caller's gradients are left as they are).
+        variables = trainable_variables or self._trainable_variables
+        checked = gradient_check.check_and_unscale(
+            grads, self.dynamic_scale, self._kept(variables)
+        )
+        if bool(checked.finite):
+            self._apply_unscaled(checked.grads, trainable_variables)
+        else:
+            # Unscaled, a NaN or Inf stays one: the attribution holds.
+            self._stateful_handle_non_finite_grads(
+                checked.grads, trainable_variables
+            )
+
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
-        unscaled_grads = self._unscale(
-            grads,
-            self.dynamic_scale,
-            trainable_variables or self._trainable_variables,
-        )
+        variables = trainable_variables or self._trainable_variables
+        unscaled = self._unscale(grads, self.dynamic_scale, variables)
+        self._apply_unscaled(unscaled, trainable_variables)
+
+    def _apply_unscaled(self, grads, trainable_variables):
         self.inner_optimizer.apply(
-            unscaled_grads, trainable_variables=trainable_variables
+            grads, trainable_variables=trainable_variables
         )
-        self._count_finite_step()
+        self._take_scale_step(True)
 
     def _stateful_handle_non_finite_grads(
         self, grads=None, trainable_variables=None
@@ -396,29 +399,9 @@ class LossScaleOptimizer(
             self._nonfinite_counts.assign_add(mask)
             self._last_nonfinite_mask.assign(mask)
 
-    def _count_finite_step(self):
-        self._take_scale_step(True)
-
     def _take_scale_step(self, finite):
-        scale, counter, streak = self._next_scale_state(
-            self.dynamic_scale,
-            self.step_counter,
-            self._nonfinite_streak,
-            finite,
-        )
-        if self.dynamic:
-            self.dynamic_scale.assign(scale)
-        self.step_counter.assign(counter)
-        self._nonfinite_streak.assign(streak)
-
-    def _next_scale_state(self, scale, counter, streak, finite):
-        """The `(scale, counter, streak)` after one step (see
-        `scale_rule.next_scale_state`)."""
-        return scale_rule.next_scale_state(
-            scale,
-            counter,
-            streak,
-            finite,
+        """Assigns the scale, its counter and the streak after one step."""
+        rule = scale_rule.ScaleRule(
             dynamic=self.dynamic,
             growth_steps=self.dynamic_growth_steps,
             hysteresis=self.hysteresis,
@@ -427,6 +410,18 @@ class LossScaleOptimizer(
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
+        state = rule.next_state(
+            scale_rule.ScaleState(
+                scale=self.dynamic_scale,
+                counter=self.step_counter,
+                streak=self._nonfinite_streak,
+            ),
+            finite,
+        )
+        if self.dynamic:
+            self.dynamic_scale.assign(state.scale)
+        self.step_counter.assign(state.counter)
+        self._nonfinite_streak.assign(state.streak)
 
     def _unscale(self, grads, scale, variables):
         if self._skips_unscaling():
@@ -446,7 +441,7 @@ class LossScaleOptimizer(
         # variable.
         return [self._overwrite_variable_with_gradient(v) for v in variables]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns Keras' four keys, and each setting of ours not default.
 
         With the defaults, the config is exactly the one Keras' own
@@ -462,7 +457,11 @@ class LossScaleOptimizer(
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> "LossScaleOptimizer":
         """Builds the optimizer from its config, or from a tf.keras 2 one.
 
         Args:
@@ -528,6 +527,22 @@ class _Reading(float):
 def _as_tensor(value):
     """`value` as a tensor, as unscaling would give it; None and sparse
     values stay as they are."""
-    if value is None or type(value).__name__ == "IndexedSlices":
+    if value is None or is_indexed_slices(value):
         return value
     return ops.convert_to_tensor(value)
+
+
+class _StatelessOutcome(NamedTuple):
+    """What either branch of the stateless step gives back.
+
+    Attributes:
+        trainables: The new values of the trainable variables.
+        inner: The new values of the inner optimizer's variables.
+        nonfinite_counts: The new `_nonfinite_counts`.
+        last_nonfinite_mask: The new `_last_nonfinite_mask`.
+    """
+
+    trainables: list
+    inner: list
+    nonfinite_counts: object
+    last_nonfinite_mask: object

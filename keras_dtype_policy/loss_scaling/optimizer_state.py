@@ -15,11 +15,12 @@ Which optimizers read saved state this way, and when, is
 
 import contextlib
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
-from keras.src.saving.keras_saveable import KerasSaveable
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import optimizer_values
 
 
@@ -110,13 +111,7 @@ def roles(optimizer):
     if inner is not None:
         own = list(getattr(optimizer, "_variables", ()))
         return [v.name for v in own] + roles(inner)
-    trainables = list(getattr(optimizer, "_trainable_variables", None) or ())
-    # Longest first: `dense_kernel_` before `dense_`.
-    prefixes = sorted(
-        (f"{t.path.replace('/', '_')}_" for t in trainables),
-        key=len,
-        reverse=True,
-    )
+    prefixes = [p.prefix for p in _slot_prefixes(_trainables(optimizer))]
     result = []
     for variable in optimizer.variables:
         name = variable.name
@@ -149,8 +144,9 @@ class _Dropped:
 # Slots that tf.keras 2 optimizers build for every variable whatever their
 # settings, while Keras 3 builds them only when they are used: with
 # `momentum=0`, tf.keras' SGD keeps its last update in its momentums and
-# never reads it back (it multiplies it by 0).
-_ALWAYS_BUILT_BY_TF_KERAS = {"SGD": ("momentum",)}
+# never reads it back (it multiplies it by 0). A backend's class (torch's
+# SGD) subclasses Keras' own.
+_ALWAYS_BUILT_BY_TF_KERAS = {keras.optimizers.SGD: ("momentum",)}
 
 
 def tf_keras_layout(optimizer):
@@ -172,35 +168,31 @@ def tf_keras_layout(optimizer):
         placeholder with the shape it must have; None if the optimizer's
         variables cannot be told apart (the layout is then unknown).
     """
-    trainables = list(getattr(optimizer, "_trainable_variables", None) or ())
+    trainables = _trainables(optimizer)
     slots = _slots_by_name(optimizer, trainables)
     if slots is None:
         return None
     layout = [optimizer.iterations]
-    layout.extend(variable for variable, _ in slots)
-    built_slots = {slot for _, slot in slots}
-    # A backend's class (torch's SGD) may share its base class' name.
-    class_names = dict.fromkeys(c.__name__ for c in type(optimizer).__mro__)
-    for class_name in class_names:
-        for slot in _ALWAYS_BUILT_BY_TF_KERAS.get(class_name, ()):
+    layout.extend(slot.variable for slot in slots)
+    built_slots = {slot.name for slot in slots}
+    for optimizer_class, always_built in _ALWAYS_BUILT_BY_TF_KERAS.items():
+        if not isinstance(optimizer, optimizer_class):
+            continue
+        for slot in always_built:
             if slot not in built_slots:
                 layout.extend(_Dropped(t.shape) for t in trainables)
     return layout
 
 
 def _slots_by_name(optimizer, trainables):
-    """Returns the (variable, slot name) of each slot, in variable order.
+    """Returns a `_Slot` for each slot, in variable order.
 
     Keras 3 names a slot `<variable path, "/" as "_">_<slot name>`. A
     variable that is neither the iteration count, the learning rate nor a
     slot of a trainable variable of the same shape is state tf.keras did not
     save; it is left out. Returns None if two slots claim one name.
     """
-    prefixes = sorted(
-        ((f"{t.path.replace('/', '_')}_", t) for t in trainables),
-        key=lambda item: len(item[0]),
-        reverse=True,
-    )
+    prefixes = _slot_prefixes(trainables)
     skipped = (optimizer.iterations, getattr(optimizer, "_learning_rate", None))
     slots = []
     seen = set()
@@ -215,9 +207,41 @@ def _slots_by_name(optimizer, trainables):
                 if name in seen:
                     return None
                 seen.add(name)
-                slots.append((variable, name[len(prefix) :]))
+                slots.append(_Slot(variable, name[len(prefix) :]))
                 break
     return slots
+
+
+def _trainables(optimizer):
+    """The variables `optimizer` was built for (none before its build)."""
+    return list(getattr(optimizer, "_trainable_variables", None) or ())
+
+
+def _slot_prefixes(trainables):
+    """Returns a `_SlotPrefix` per trainable, the longest prefix first.
+
+    Keras 3 names a slot `<variable path, "/" as "_">_<slot name>`; the
+    longest prefix that fits is the slot's variable (`dense_kernel_` before
+    `dense_`).
+    """
+    prefixes = (
+        _SlotPrefix(f"{t.path.replace('/', '_')}_", t) for t in trainables
+    )
+    return sorted(prefixes, key=lambda p: len(p.prefix), reverse=True)
+
+
+class _Slot(NamedTuple):
+    """A slot variable and its slot name (`momentum`, `velocity`)."""
+
+    variable: object
+    name: str
+
+
+class _SlotPrefix(NamedTuple):
+    """The start of the names of a trainable variable's slots."""
+
+    prefix: str
+    trainable: object
 
 
 def _derive_unsaved_state(optimizer):
@@ -345,13 +369,20 @@ class _NamedArray(np.ndarray):
     saved_name = None
 
 
+class Assignment(NamedTuple):
+    """A value to assign to a variable."""
+
+    variable: object
+    value: object
+
+
 def keep_pending_values(optimizer, values, set_at_once=None):
     """Keeps values for when the optimizer is built.
 
     Args:
         optimizer: The optimizer that will receive the values.
         values: The saved arrays (names they were saved under are kept).
-        set_at_once: Pairs of (variable, value) to assign now, such as the
+        set_at_once: `Assignment`s to make now, such as the
             saved step count, which a learning-rate schedule reads before
             the first step. They are put back as they were if the values
             turn out not to fit the built optimizer. Defaults to the first
@@ -367,24 +398,24 @@ def keep_pending_values(optimizer, values, set_at_once=None):
         first = kept[0] if kept else None
         set_at_once = []
         if first is not None and first.shape == () and first.dtype.kind in "iu":
-            set_at_once = [(optimizer.iterations, first)]
+            set_at_once = [Assignment(optimizer.iterations, first)]
     optimizer_values.check_saved(
-        [variable for variable, _ in set_at_once],
-        [value for _, value in set_at_once],
+        [a.variable for a in set_at_once], [a.value for a in set_at_once]
     )
     before = [
-        (variable, np.array(variable.numpy())) for variable, _ in set_at_once
+        Assignment(a.variable, np.array(a.variable.numpy()))
+        for a in set_at_once
     ]
 
     def put_back():
-        for variable, value in before:
-            variable.assign(value)
+        for assignment in before:
+            assignment.variable.assign(assignment.value)
 
     # A function, not a list: Keras tracks the variables in a list set as
     # an optimizer's attribute as its own.
     optimizer._put_back_before_pending = put_back
-    for variable, value in set_at_once:
-        variable.assign(np.array(value))
+    for assignment in set_at_once:
+        assignment.variable.assign(np.array(assignment.value))
 
 
 def named(array, name):
@@ -426,42 +457,10 @@ def apply_pending_values(holder, optimizer):
 @contextlib.contextmanager
 def outside_tracing():
     """Runs assignments at once, even while TensorFlow traces a step."""
-    if keras.backend.backend() == "tensorflow":
+    if backend_dispatch.is_tensorflow():
         import tensorflow as tf
 
         with tf.init_scope():
             yield
     else:
         yield
-
-
-class SavedCounter(KerasSaveable):
-    """A counter saved in a store of its own, beside its owner's.
-
-    A loss-scale optimizer's count of skipped steps, which Keras' own
-    `LossScaleOptimizer` does not have, is saved here (in the
-    `skipped_steps_record` store below the optimizer's), so the optimizer's
-    own store keeps exactly Keras' layout and Keras alone can read it.
-
-    Args:
-        read: A function returning the counter's value, or None when the
-            owner is not built (nothing is saved then).
-        write: A function taking the saved value.
-    """
-
-    def __init__(self, read, write):
-        self._read = read
-        self._write = write
-
-    def _obj_type(self):
-        return "Operation"
-
-    def save_own_variables(self, store):
-        value = self._read()
-        if value is not None:
-            store["0"] = np.asarray(value)
-
-    def load_own_variables(self, store):
-        # A file from Keras' own LossScaleOptimizer has no such store.
-        if "0" in store.keys():
-            self._write(np.asarray(store["0"]))

@@ -10,6 +10,7 @@ also accepts the layouts of earlier releases and of tf.keras 2 files.
 
 import keras
 import numpy as np
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.low_precision import optimizer_values
@@ -103,7 +104,11 @@ class SavedLayouts:
         step = _saved_inner_step(values)
         at_once = []
         if step is not None:
-            at_once = [(self.inner_optimizer.iterations, step)]
+            at_once = [
+                optimizer_state.Assignment(
+                    self.inner_optimizer.iterations, step
+                )
+            ]
         optimizer_state.keep_pending_values(self, values, set_at_once=at_once)
 
     def _keras_layout(self):
@@ -179,7 +184,7 @@ class SavedLayouts:
             else:
                 self._pending_extras[name] = value
 
-        return optimizer_state.SavedCounter(read, write)
+        return SavedCounter(read, write)
 
     def _write_extra(self, name, value):
         # A count per variable saved for another model's variables does
@@ -250,3 +255,35 @@ def _saved_inner_step(values):
 
 def _is_among(variable, variables):
     return any(variable is v for v in variables)
+
+
+class SavedCounter(KerasSaveable):
+    """A counter saved in a store of its own, beside its owner's.
+
+    A loss-scale optimizer's count of skipped steps, which Keras' own
+    `LossScaleOptimizer` does not have, is saved here (in the
+    `skipped_steps_record` store below the optimizer's), so the optimizer's
+    own store keeps exactly Keras' layout and Keras alone can read it.
+
+    Args:
+        read: A function returning the counter's value, or None when the
+            owner is not built (nothing is saved then).
+        write: A function taking the saved value.
+    """
+
+    def __init__(self, read, write):
+        self._read = read
+        self._write = write
+
+    def _obj_type(self):
+        return "Operation"
+
+    def save_own_variables(self, store):
+        value = self._read()
+        if value is not None:
+            store["0"] = np.asarray(value)
+
+    def load_own_variables(self, store):
+        # A file from Keras' own LossScaleOptimizer has no such store.
+        if "0" in store.keys():
+            self._write(np.asarray(store["0"]))

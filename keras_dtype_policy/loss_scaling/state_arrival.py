@@ -40,7 +40,7 @@ _loading_h5_model = contextvars.ContextVar(
 _loading_saved_state = contextvars.ContextVar(
     "keras_dtype_policy_loading_saved_state", default=False
 )
-_taught = weakref.WeakSet()
+_taught: weakref.WeakSet = weakref.WeakSet()
 
 
 @contextlib.contextmanager

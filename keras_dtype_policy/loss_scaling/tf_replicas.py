@@ -13,7 +13,7 @@ TensorFlow is imported inside the functions, only once Keras runs on it.
 
 import warnings
 
-import keras
+from keras_dtype_policy import backend_dispatch
 
 
 def apply(optimizer, grads, trainable_variables=None):
@@ -91,7 +91,7 @@ def _count_non_finite(optimizer, grads):
 
 def spans_replicas(model):
     """Returns True if `model` trains on several `tf.distribute` replicas."""
-    if keras.backend.backend() != "tensorflow":
+    if not backend_dispatch.is_tensorflow():
         return False
     strategy = getattr(model, "distribute_strategy", None)
     return getattr(strategy, "num_replicas_in_sync", 1) > 1
