@@ -8,10 +8,15 @@ attribute, `install()` raises instead of patching something else.
 `INSTANCE_PATCHES` lists the methods set on single objects rather than on a
 Keras class, each with its reason; `uninstall()` takes them off every object
 that holds them, and `install()` does not set them again.
+
+`KERAS_INTERNALS` lists the private names of Keras the package uses
+without patching them (`internals_inventory`).
 """
 
 import dataclasses
 import types
+from collections.abc import Callable
+from typing import Any
 
 import keras
 from keras.src import dtype_policies
@@ -24,6 +29,7 @@ from keras.src.optimizers.loss_scale_optimizer import (
 )
 from keras.src.saving import saving_lib
 
+from keras_dtype_policy import internals_inventory
 from keras_dtype_policy.loss_scaling import additional_losses
 from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
@@ -49,7 +55,7 @@ class Patch:
 
     owner: object
     attribute: str
-    make_replacement: object
+    make_replacement: Callable[[Any], Any]
     why: str
 
     def find_owner(self):
@@ -204,7 +210,7 @@ class InstancePatch:
 
     objects: str
     attributes: tuple
-    undo: object
+    undo: Callable[[], None]
     why: str
 
 
@@ -236,12 +242,18 @@ INSTANCE_PATCHES = (
     ),
 )
 
+
+# The private names of Keras used as they are, not patched, each with its
+# owner, users and reason: with the patches above, every reliance of the
+# package on Keras internals.
+KERAS_INTERNALS = internals_inventory.KERAS_INTERNALS
+
 # target -> (owner, attribute, Keras' own attribute, our replacement), while
 # installed.
-_installed = {}
+_installed: dict = {}
 
 
-def install():
+def install() -> None:
     """Applies the patches; a second call changes nothing.
 
     Raises:
@@ -272,7 +284,7 @@ def install():
         raise
 
 
-def uninstall():
+def uninstall() -> None:
     """Restores Keras' own attributes; a second call changes nothing.
 
     The instance patches come off every object that holds them (see
@@ -285,7 +297,7 @@ def uninstall():
         patch.undo()
 
 
-def is_installed():
+def is_installed() -> bool:
     """Returns True while the patches are in place."""
     return bool(_installed)
 

@@ -5,72 +5,148 @@ variables, applies gradients, survives a `.keras` and a `.weights.h5`
 round trip (state equal, next step identical), survives a config round
 trip through JSON, forwards `learning_rate` to the optimizer it wraps, and
 trains in a compiled `fit` step. A new wrapper joins `WRAPPERS` the day it
-exists.
+exists; so does each kind of state a wrapper keeps (8-bit and 4-bit
+block-coded state, float16 weights, state sharded over the data-parallel
+devices), in the style of optax's alias_test.py.
 """
 
+import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 
 import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import dtype_of
+from testing import inner_optimizers
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.low_precision import state_sharding
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::keras_dtype_policy.SlowFloat16Warning"
 )
 
-# name: (the policy its model trains under, a function making the wrapper).
+
+@dataclasses.dataclass(frozen=True)
+class Wrapper:
+    """One row of the contract.
+
+    Attributes:
+        policy: The policy its model trains under.
+        make: Makes the wrapper (of an inner optimizer of the shared
+            table, tests/backends/testing.py).
+        width: The model's hidden units: 1024 gives a kernel of 4096
+            elements, the least that gets 8-bit or 4-bit state.
+        quantized: True if some of its state must be block-coded.
+        sharded: True to run under a `keras.distribution.DataParallel`,
+            with `shard_optimizer_state` (JAX only).
+    """
+
+    policy: str
+    make: Callable
+    width: int = 8
+    quantized: bool = False
+    sharded: bool = False
+
+
+ADAM = inner_optimizers("adam")["adam"]
+# At the rate of every row (test_learning_rate_reaches_the_inner_optimizer).
+SGD_MOMENTUM = inner_optimizers(
+    "sgd_momentum", learning_rates={"sgd_momentum": 0.01}
+)["sgd_momentum"]
+
+
+def low_precision(**options):
+    return lambda: kdp.LowPrecisionOptimizer(ADAM(), **options)
+
+
+def loss_scaled_low_precision(**options):
+    # Float16 weights: `compile` puts a loss-scale optimizer around a
+    # low-precision one; given as such, it keeps it.
+    return lambda: kdp.LossScaleOptimizer(low_precision(**options)())
+
+
 WRAPPERS = {
-    "loss_scale_dynamic": (
+    "loss_scale_dynamic": Wrapper(
+        "mixed_float16",
+        lambda: kdp.LossScaleOptimizer(ADAM(), dynamic_growth_steps=2),
+    ),
+    "loss_scale_fixed": Wrapper(
         "mixed_float16",
         lambda: kdp.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01), dynamic_growth_steps=2
+            SGD_MOMENTUM(), dynamic=False, initial_scale=128
         ),
     ),
-    "loss_scale_fixed": (
-        "mixed_float16",
-        lambda: kdp.LossScaleOptimizer(
-            keras.optimizers.SGD(0.01, momentum=0.9),
-            dynamic=False,
-            initial_scale=128,
-        ),
+    "low_precision_kahan": Wrapper("bfloat16", low_precision(update="kahan")),
+    "low_precision_stochastic": Wrapper(
+        "bfloat16", low_precision(update="stochastic_rounding", seed=3)
     ),
-    "low_precision_kahan": (
+    "low_precision_nearest": Wrapper(
+        "bfloat16", low_precision(update="nearest")
+    ),
+    "low_precision_8bit": Wrapper(
         "bfloat16",
-        lambda: kdp.LowPrecisionOptimizer(
-            keras.optimizers.Adam(0.01), update="kahan"
-        ),
+        low_precision(state_dtype="8bit", seed=3),
+        width=1024,
+        quantized=True,
     ),
-    "low_precision_stochastic": (
+    "low_precision_4bit": Wrapper(
         "bfloat16",
-        lambda: kdp.LowPrecisionOptimizer(
-            keras.optimizers.Adam(0.01), update="stochastic_rounding", seed=3
-        ),
+        low_precision(update="kahan", state_dtype="4bit", seed=3),
+        width=1024,
+        quantized=True,
     ),
-    "experimental_loss_scale": (
+    "low_precision_sharded": Wrapper(
+        "bfloat16",
+        lambda: kdp.shard_optimizer_state(
+            kdp.LowPrecisionOptimizer(ADAM(), state_dtype="8bit", seed=3)
+        ),
+        width=1024,
+        quantized=True,
+        sharded=True,
+    ),
+    "kahan_float16": Wrapper(
+        "float16", loss_scaled_low_precision(update="kahan")
+    ),
+    "stochastic_float16": Wrapper(
+        "float16",
+        loss_scaled_low_precision(update="stochastic_rounding", seed=3),
+    ),
+    "experimental_loss_scale": Wrapper(
         "mixed_float16",
         lambda: kdp.experimental.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01), loss_scale="dynamic"
+            ADAM(), loss_scale="dynamic"
         ),
     ),
-    "mixed_precision_loss_scale": (
+    "mixed_precision_loss_scale": Wrapper(
         "mixed_float16",
         lambda: kdp.mixed_precision.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01), initial_scale=256
+            ADAM(), initial_scale=256
         ),
     ),
-    "loss_scale_of_low_precision": (
-        "float16",
-        lambda: kdp.LossScaleOptimizer(
-            kdp.LowPrecisionOptimizer(keras.optimizers.Adam(0.01))
-        ),
+    "loss_scale_of_low_precision": Wrapper(
+        "float16", loss_scaled_low_precision()
     ),
 }
-NAMES = sorted(WRAPPERS)
+# `keras.distribution` is JAX's only: on TensorFlow and torch
+# `shard_optimizer_state` raises NotImplementedError (TensorFlow keeps
+# state per replica in tf.distribute, torch shards with its own FSDP).
+NOT_HERE = {
+    name: "keras.distribution, and so shard_optimizer_state, is the JAX "
+    f"backend's only; this run is on {BACKEND}"
+    for name, row in WRAPPERS.items()
+    if row.sharded and BACKEND != "jax"
+}
+NAMES = [
+    pytest.param(name, marks=pytest.mark.skip(reason=NOT_HERE[name]))
+    if name in NOT_HERE
+    else name
+    for name in sorted(WRAPPERS)
+]
 # Wrappers that Keras' deserialization (and so `load_model`) revives as
 # another class: TensorFlow 2.3's optimizer as the 2.4+ one, as tf.keras
 # 2.4+ did. Their own `from_config` keeps the class.
@@ -92,6 +168,13 @@ def as_float32(x):
     return to_numpy(keras.ops.cast(x, "float32"))
 
 
+def innermost_wrapper(optimizer):
+    """The wrapper at the bottom of a stack of wrappers."""
+    while hasattr(optimizer.inner_optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def innermost(optimizer):
     """The optimizer at the bottom of a stack of wrappers."""
     while hasattr(optimizer, "inner_optimizer"):
@@ -106,19 +189,37 @@ def data(seed=0):
     return x, y
 
 
+@pytest.fixture(autouse=True)
+def distribution(request):
+    """Runs a sharded row under a `DataParallel` distribution of the
+    devices JAX has here (one CPU device in this process: the layouts are
+    made along a data axis of one device; test_state_sharding.py splits
+    state over eight in a process of its own)."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("name") if callspec else None
+    if name is None or not WRAPPERS[name].sharded:
+        yield None
+        return
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        yield keras.distribution.distribution()
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def compiled_model(name, jit_compile=False):
-    """A tiny Dense model under the wrapper's policy, compiled with it."""
-    policy, factory = WRAPPERS[name]
+    """A small Dense model under the wrapper's policy, compiled with it."""
+    row = WRAPPERS[name]
     keras.utils.set_random_seed(0)
-    with kdp.policy_scope(policy):
+    with kdp.policy_scope(row.policy):
         model = keras.Sequential(
             [
                 keras.Input((4,)),
-                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dense(row.width, activation="tanh"),
                 keras.layers.Dense(1),
             ]
         )
-    optimizer = factory()
+    optimizer = row.make()
     model.compile(optimizer, "mse", jit_compile=jit_compile)
     assert model.optimizer is optimizer
     return model
@@ -146,6 +247,12 @@ def test_builds_on_variables(name):
     assert len(optimizer.variables) > 1
     for variable in optimizer.variables:
         assert np.all(np.isfinite(as_float32(variable)))
+    if WRAPPERS[name].sharded:
+        assert state_sharding.shards_state(optimizer)
+    if WRAPPERS[name].quantized:
+        assert innermost_wrapper(optimizer).quantized_slots
+        codes = [v for v in optimizer.variables if v.path.endswith("_codes")]
+        assert codes and all(dtype_of(v) == "int8" for v in codes)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -200,7 +307,7 @@ def test_save_and_load_then_the_next_step_is_identical(
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_round_trip_through_json(name):
-    optimizer = WRAPPERS[name][1]()
+    optimizer = WRAPPERS[name].make()
     config = json.loads(json.dumps(optimizer.get_config()))
     revived = type(optimizer).from_config(config)
     assert type(revived) is type(optimizer)

@@ -1,6 +1,7 @@
 """Test helpers shared by every backend's run of the suite."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -21,6 +22,81 @@ MIXED_POLICIES = ("mixed_float16", "mixed_bfloat16")
 
 # Kinds of training step, for fault injection.
 FINITE, NAN, INF = "finite", "nan", "inf"
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerOptimizer:
+    """One row of the table of Keras optimizers the wrappers are tested on.
+
+    Attributes:
+        name: The row's id in parametrized tests.
+        class_name: Its class in `keras.optimizers`.
+        learning_rate: A rate at which the tests' small problems train in
+            a few steps.
+        options: Its other arguments, such as `momentum`.
+    """
+
+    name: str
+    class_name: str
+    learning_rate: float
+    options: dict = dataclasses.field(default_factory=dict, hash=False)
+
+    def make(self, learning_rate=None):
+        """Returns a new optimizer of this row (at `learning_rate`, if
+        given)."""
+        rate = self.learning_rate if learning_rate is None else learning_rate
+        return getattr(keras.optimizers, self.class_name)(rate, **self.options)
+
+
+# Every Keras optimizer (and the variants whose state differs) that the
+# wrappers take, in the style of optax's alias_test.py.
+_ALL_ROWS = (
+    InnerOptimizer("sgd", "SGD", 0.05),
+    InnerOptimizer("sgd_momentum", "SGD", 0.05, {"momentum": 0.9}),
+    InnerOptimizer(
+        "sgd_nesterov", "SGD", 0.05, {"momentum": 0.9, "nesterov": True}
+    ),
+    InnerOptimizer("adam", "Adam", 0.01),
+    InnerOptimizer("adam_amsgrad", "Adam", 0.01, {"amsgrad": True}),
+    InnerOptimizer("adamw", "AdamW", 0.01, {"weight_decay": 0.1}),
+    InnerOptimizer("adamax", "Adamax", 0.02),
+    InnerOptimizer("adagrad", "Adagrad", 0.1),
+    InnerOptimizer("rmsprop", "RMSprop", 0.01),
+    InnerOptimizer("rmsprop_momentum", "RMSprop", 1e-3, {"momentum": 0.5}),
+    InnerOptimizer("adadelta", "Adadelta", 1.0),
+    InnerOptimizer("nadam", "Nadam", 0.01),
+    InnerOptimizer("lion", "Lion", 0.02),
+    InnerOptimizer("ftrl", "Ftrl", 0.2),
+    InnerOptimizer("adafactor", "Adafactor", 0.05),
+    InnerOptimizer("lamb", "Lamb", 0.01),
+    InnerOptimizer("muon", "Muon", 0.02),
+)
+# The rows whose class the installed Keras has.
+INNER_OPTIMIZERS = tuple(
+    row for row in _ALL_ROWS if hasattr(keras.optimizers, row.class_name)
+)
+
+
+def inner_optimizers(*names, learning_rates=None):
+    """Returns `{name: a function making that optimizer}` for rows of
+    `INNER_OPTIMIZERS`.
+
+    Args:
+        *names: The rows wanted, in this order; every row if none. A name
+            the installed Keras lacks is left out.
+        learning_rates: `{name: rate}` where a test needs other rates than
+            the rows' own (rates its measured bounds were taken at).
+    """
+    rows = {row.name: row for row in INNER_OPTIMIZERS}
+    rates = learning_rates or {}
+    unknown = set(names) - {row.name for row in _ALL_ROWS}
+    if unknown:
+        raise KeyError(f"INNER_OPTIMIZERS has no rows {sorted(unknown)}")
+    return {
+        name: (lambda row=rows[name]: row.make(rates.get(row.name)))
+        for name in (names or rows)
+        if name in rows
+    }
 
 
 def to_numpy(x):

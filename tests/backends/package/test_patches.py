@@ -267,7 +267,8 @@ def test_install_refuses_when_the_trainer_class_is_gone(monkeypatch):
     # finds nothing, and install() says what it looked for, and where.
     kdp.uninstall()
     try:
-        monkeypatch.setattr(Trainer, "__module__", "keras.src.elsewhere")
+        trainer_module = importlib.import_module(keras_internals.TRAINER_MODULE)
+        monkeypatch.delattr(trainer_module, Trainer.__name__)
         with pytest.raises(RuntimeError) as raised:
             kdp.install()
         message = str(raised.value)
