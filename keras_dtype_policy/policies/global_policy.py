@@ -1,6 +1,7 @@
 """The global dtype policy: reading, setting and scoping Keras' own global."""
 
 import contextlib
+from collections.abc import Iterator
 
 import keras
 from keras.src import dtype_policies
@@ -51,7 +52,7 @@ def as_policy(policy, argument_name="policy"):
     )
 
 
-def set_dtype_policy(policy):
+def set_dtype_policy(policy: str | keras.DTypePolicy) -> None:
     """Sets the global dtype policy that layers without a `dtype` follow.
 
     This sets Keras' own global policy, so it holds for every layer built
@@ -71,7 +72,7 @@ def set_dtype_policy(policy):
     _set_global(policy, stacklevel=4)
 
 
-def set_global_policy(policy):
+def set_global_policy(policy: str | keras.DTypePolicy | None) -> None:
     """Sets the global dtype policy; None restores the default.
 
     `set_dtype_policy` under the name of `keras.mixed_precision` (and of
@@ -111,7 +112,7 @@ def _as_keras_global(policy):
     return policy
 
 
-def dtype_policy():
+def dtype_policy() -> keras.DTypePolicy:
     """Returns the current global dtype policy of this thread.
 
     `keras_dtype_policy.global_policy` is this function, as
@@ -130,7 +131,9 @@ def dtype_policy():
 
 
 @contextlib.contextmanager
-def policy_scope(policy):
+def policy_scope(
+    policy: str | keras.DTypePolicy,
+) -> Iterator[keras.DTypePolicy]:
     """A context manager that sets the global dtype policy for its block.
 
     The previous global policy comes back on exit, also when the block

@@ -24,7 +24,7 @@ import functools
 import platform
 import warnings
 
-import keras
+from keras_dtype_policy import backend_dispatch
 
 FAST = "fast"
 SLOW = "slow"
@@ -74,9 +74,9 @@ class Device:
     name: str
     kind: str
     description: str = ""
-    vendor: str = None
-    compute_capability: tuple = None
-    cpu_flags: frozenset = None
+    vendor: str | None = None
+    compute_capability: tuple | None = None
+    cpu_flags: frozenset | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,7 @@ def recommend_policy(devices, backend=None):
     Returns:
         A `(policy_name, reason)` pair.
     """
-    backend = backend or keras.backend.backend()
+    backend = backend or backend_dispatch.name()
     targets = compute_devices(devices)
     if not targets:
         return "float32", "no device was found"
@@ -216,7 +216,7 @@ def list_devices(backend=None):
     Raises:
         RuntimeError: if the backend's library cannot list its devices.
     """
-    return _list_devices(backend or keras.backend.backend())
+    return _list_devices(backend or backend_dispatch.name())
 
 
 @functools.cache

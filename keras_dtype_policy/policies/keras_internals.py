@@ -64,8 +64,15 @@ def trainer_class():
     Raises:
         KerasInternalsError: if no such class exists.
     """
+    try:
+        module = vars(importlib.import_module(TRAINER_MODULE))
+    except ImportError:
+        module = {}
+    defined_there = [
+        value for value in module.values() if isinstance(value, type)
+    ]
     for cls in keras.Model.__mro__:
-        if cls.__module__ == TRAINER_MODULE and all(
+        if any(cls is value for value in defined_there) and all(
             name in vars(cls) for name in TRAINER_ATTRIBUTES
         ):
             return cls

@@ -12,6 +12,8 @@ package's names (such as `"kahan_bfloat16"`) their
 function, whose results and errors stay as they are.
 """
 
+from typing import Any
+
 from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.policy import DTypePolicy
 
@@ -55,7 +57,7 @@ def make_get(original_get):
 
 
 # The setter made for each of Keras' functions, by the function's id.
-_SETTERS = {}
+_SETTERS: dict[int, Any] = {}
 
 
 def make_set_dtype_policy(original_set):

@@ -1,12 +1,14 @@
 """The backend-agnostic `DTypePolicy`."""
 
 import functools
+from typing import Any
 
 import keras
 import numpy as np
 
 from keras_dtype_policy.policies import names as policy_names
 from keras_dtype_policy.policies.registration import register
+from keras_dtype_policy.types import Tensor
 
 # Keras' own classes for a plain (not quantized, not mapped) float policy.
 _KERAS_PLAIN_POLICIES = (
@@ -51,7 +53,7 @@ class DTypePolicy(keras.DTypePolicy):
     def _parse_name(self, name):
         return policy_names.parse_policy_name(name)
 
-    def convert_input(self, x, autocast, dtype):
+    def convert_input(self, x: Tensor, autocast: bool, dtype: str) -> Tensor:
         """Casts floating inputs to `dtype` when `autocast` is true.
 
         Args:
@@ -74,7 +76,7 @@ class DTypePolicy(keras.DTypePolicy):
         return _convert_leaf(x, autocast, dtype)
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "DTypePolicy":
         """Builds a policy from `{"name": ...}`, the output of `get_config`."""
         if not isinstance(config, dict) or set(config) != {"name"}:
             raise ValueError(

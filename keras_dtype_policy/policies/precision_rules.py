@@ -10,6 +10,8 @@ get its source policy (see `float8.py`).
 
 import dataclasses
 import fnmatch
+from collections.abc import Iterable
+from typing import Any
 
 import keras
 
@@ -151,11 +153,11 @@ class PrecisionRule:
     True
     """
 
-    policy: object
-    layers: tuple = ()
-    names: tuple = ()
+    policy: Any
+    layers: Any = ()
+    names: str | tuple[str, ...] = ()
     why: str = ""
-    paths: tuple = ()
+    paths: str | tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(
@@ -179,7 +181,9 @@ class PrecisionRule:
         # Keras' float8 policies are not hashable: hash by name.
         return hash((self.policy.name, self.layers, self.names, self.paths))
 
-    def matches(self, layer, path=None):
+    def matches(
+        self, layer: keras.layers.Layer, path: str | None = None
+    ) -> bool:
         """Returns True if the rule applies to `layer`.
 
         Args:
@@ -202,7 +206,7 @@ class PrecisionRule:
                 return False
         return True
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns the rule as a JSON-serializable dict (`paths` only
         where the rule has some)."""
         config = {
@@ -241,7 +245,11 @@ class PrecisionRules:
     'float32'
     """
 
-    def __init__(self, default, rules=()):
+    def __init__(
+        self,
+        default: str | keras.DTypePolicy,
+        rules: Iterable[PrecisionRule] = (),
+    ) -> None:
         self._default = rule_policy("default", default)
         rules = tuple(rules)
         for rule in rules:
@@ -264,16 +272,18 @@ class PrecisionRules:
         return float8.quantized_policy(self._default, "default")
 
     @property
-    def default(self):
+    def default(self) -> keras.DTypePolicy:
         """The policy of the layers that no rule matches."""
         return self._default
 
     @property
-    def rules(self):
+    def rules(self) -> tuple[PrecisionRule, ...]:
         """The rules, in order (the last matching one wins)."""
         return self._rules
 
-    def policy_for(self, layer, path=None):
+    def policy_for(
+        self, layer: keras.layers.Layer, path: str | None = None
+    ) -> keras.DTypePolicy:
         """Returns the `DTypePolicy` that the rules give `layer`.
 
         `path` is the layer's path in its model, for rules with `paths`.
@@ -284,7 +294,9 @@ class PrecisionRules:
             policy = self._float8
         return float8.policy_for_layer(policy, layer)
 
-    def rule_for(self, layer, path=None):
+    def rule_for(
+        self, layer: keras.layers.Layer, path: str | None = None
+    ) -> PrecisionRule | None:
         """Returns the rule that decides `layer`'s policy, or None."""
         for rule in reversed(self._rules):
             if rule.matches(layer, path):
@@ -292,15 +304,15 @@ class PrecisionRules:
         return None
 
     @property
-    def uses_paths(self):
+    def uses_paths(self) -> bool:
         """True if some rule matches on layer paths."""
         return any(rule.paths for rule in self._rules)
 
-    def extend(self, *rules):
+    def extend(self, *rules: PrecisionRule) -> "PrecisionRules":
         """Returns new rules with `rules` added last (they win)."""
         return PrecisionRules(self._default, self._rules + tuple(rules))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns the rules as a JSON-serializable dict."""
         return {
             "default": self._default.name,
@@ -308,7 +320,7 @@ class PrecisionRules:
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "PrecisionRules":
         """Builds rules from the output of `get_config`."""
         if not isinstance(config, dict) or "default" not in config:
             raise ValueError(
@@ -340,7 +352,9 @@ class PrecisionRules:
         )
 
 
-def float16_rules(default="mixed_float16"):
+def float16_rules(
+    default: str | keras.DTypePolicy = "mixed_float16",
+) -> PrecisionRules:
     """Returns the default rules for float16: a few float32 islands.
 
     Each rule keeps in float32 a kind of layer whose result float16 cannot

@@ -16,6 +16,8 @@ import contextlib
 import copy
 import inspect
 import threading
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -106,7 +108,9 @@ def _choosing(chooser):
 
 
 @contextlib.contextmanager
-def precision_scope(rules):
+def precision_scope(
+    rules: precision_rules.PrecisionRules | str | keras.DTypePolicy,
+) -> Iterator[precision_rules.PrecisionRules]:
     """Layers created in this block get their policy from `rules`.
 
     Layers given a `dtype` explicitly keep it (except the policy a model
@@ -143,7 +147,11 @@ def precision_scope(rules):
         yield rules
 
 
-def apply_rules(model, rules, keep_float32=True):
+def apply_rules(
+    model: keras.Model,
+    rules: precision_rules.PrecisionRules | str | keras.DTypePolicy,
+    keep_float32: bool = True,
+) -> keras.Model:
     """Returns a copy of `model` whose layers carry the rules' policies.
 
     The copy has the same architecture and weights (cast where a
@@ -254,9 +262,22 @@ def _deserialize(model, config):
     return new
 
 
+class CreatedLayer(NamedTuple):
+    """A layer a copy of a model creates: its class, and its path.
+
+    Attributes:
+        layer_class: The layer's class.
+        path: The path of its counterpart in the model, or None for a
+            layer the copy does not hold.
+    """
+
+    layer_class: type
+    path: str | None
+
+
 def _creation_paths(model, config):
-    """Returns `(class name, path)` of each layer in the order a copy of
-    `model` creates them.
+    """Returns a `CreatedLayer` per layer, in the order a copy of `model`
+    creates them.
 
     The path is the one the layer's counterpart has in `model` (a layer
     that Keras names as it creates it gets another name in each copy), or
@@ -273,7 +294,9 @@ def _creation_paths(model, config):
         id(layer): path
         for layer, path in zip_layer_paths(copy, model, "rules with `paths`")
     }
-    return [(type(layer).__name__, paths.get(id(layer))) for layer in created]
+    return [
+        CreatedLayer(type(layer), paths.get(id(layer))) for layer in created
+    ]
 
 
 def zip_layer_paths(copy, model, purpose):
@@ -289,8 +312,8 @@ def zip_layer_paths(copy, model, purpose):
     """
     ours = layer_walk.layer_paths(model)
     theirs = layer_walk.layer_paths(copy)
-    classes = [type(layer).__name__ for _, layer in ours]
-    if classes != [type(layer).__name__ for _, layer in theirs]:
+    classes = [type(layer) for _, layer in ours]
+    if classes != [type(layer) for _, layer in theirs]:
         raise RuntimeError(
             f"A copy of model {model.name!r} built from its config holds "
             f"other layers than the model ({len(theirs)} instead of "
@@ -304,13 +327,13 @@ def zip_layer_paths(copy, model, purpose):
 
 
 def _path_of_created(model, paths, index, layer):
-    if index >= len(paths) or paths[index][0] != type(layer).__name__:
+    if index >= len(paths) or paths[index].layer_class is not type(layer):
         raise RuntimeError(
             f"Model {model.name!r} creates its layers in another order each "
             "time it is built from its config, so rules with `paths` cannot "
             f"be applied to it (layer {index} is {layer.name!r})"
         )
-    return paths[index][1]
+    return paths[index].path
 
 
 def _set_container_policies(model, choices):

@@ -2,9 +2,10 @@
 
 import math
 import numbers
+from typing import Any
 
 
-def check_positive_number(argument_name, value):
+def check_positive_number(argument_name: str, value: Any) -> float:
     """Returns `value` as a float, or raises if it is not finite and > 0."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(
@@ -21,7 +22,7 @@ def check_positive_number(argument_name, value):
     return value
 
 
-def check_positive_int(argument_name, value):
+def check_positive_int(argument_name: str, value: Any) -> int:
     """Returns `value` as an int, or raises if it is not an int >= 1."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         if isinstance(value, float) and value.is_integer():

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+from typing import Any
 
 import keras
 
@@ -11,7 +12,9 @@ from keras_dtype_policy.tf_keras_compat import config_translation
 from keras_dtype_policy.tf_keras_compat import file_limits
 
 
-def model_from_json(json_string, custom_objects=None):
+def model_from_json(
+    json_string: str | bytes, custom_objects: dict[str, Any] | None = None
+) -> keras.Model:
     """Builds a model from the JSON that tf.keras 2's `to_json()` wrote.
 
     Keras 3's own `keras.models.model_from_json` reads only Keras 3 JSON.
@@ -31,6 +34,33 @@ def model_from_json(json_string, custom_objects=None):
             is nested too deeply, or declares sizes past the limits of
             `file_limits` (such as `units` above 2**24).
     """
+    config = _model_config(json_string)
+    file_limits.check_model_config(config, "`json_string`")
+    try:
+        config = config_translation.translate_model_config(config)
+        model = keras.models.model_from_json(
+            json.dumps(config), custom_objects=custom_objects
+        )
+    except RecursionError:
+        raise _too_deep() from None
+    except (AttributeError, KeyError, IndexError) as error:
+        # Keras' deserialization meets a value of the wrong type.
+        raise ValueError(
+            "`json_string` holds a config that cannot be built: "
+            f"{type(error).__name__}: {error}. "
+            f"Received: json_string={json_string[:80]!r}"
+        ) from error
+    if not isinstance(model, keras.layers.Layer):
+        raise ValueError(
+            "`json_string` must hold a model config, but it builds a "
+            f"{type(model).__name__}. "
+            f"Received: json_string={json_string[:80]!r}"
+        )
+    return model
+
+
+def _model_config(json_string):
+    """The config dict that `json_string` holds, its outline checked."""
     if not isinstance(json_string, (str, bytes)):
         raise TypeError(
             "`json_string` must be a JSON string. "
@@ -58,28 +88,7 @@ def model_from_json(json_string, custom_objects=None):
             f"build {config['class_name']!r} from. "
             f"Received: json_string={json_string[:80]!r}"
         )
-    file_limits.check_model_config(config, "`json_string`")
-    try:
-        config = config_translation.translate_model_config(config)
-        model = keras.models.model_from_json(
-            json.dumps(config), custom_objects=custom_objects
-        )
-    except RecursionError:
-        raise _too_deep() from None
-    except (AttributeError, KeyError, IndexError) as error:
-        # Keras' deserialization meets a value of the wrong type.
-        raise ValueError(
-            "`json_string` holds a config that cannot be built: "
-            f"{type(error).__name__}: {error}. "
-            f"Received: json_string={json_string[:80]!r}"
-        ) from error
-    if not isinstance(model, keras.layers.Layer):
-        raise ValueError(
-            "`json_string` must hold a model config, but it builds a "
-            f"{type(model).__name__}. "
-            f"Received: json_string={json_string[:80]!r}"
-        )
-    return model
+    return config
 
 
 def _too_deep():

@@ -50,8 +50,8 @@ class ModelFile:
     path: pathlib.Path
     format: str
     model_config: dict
-    compile_config: dict = None
-    keras_version: str = None
+    compile_config: dict | None = None
+    keras_version: str | None = None
 
     @property
     def from_tf_keras(self):

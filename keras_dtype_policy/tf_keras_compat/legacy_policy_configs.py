@@ -9,6 +9,7 @@ it is dropped, with a warning that names it.
 """
 
 import warnings
+from typing import Any
 
 import keras
 
@@ -24,7 +25,7 @@ from keras_dtype_policy.tf_keras_compat.tf_keras_policy import (
 
 _LEGACY_CLASS_NAMES = ("Policy", "PolicyV1")
 # Dropped loss scales already reported in this process.
-_reported_scales = set()
+_reported_scales: set[Any] = set()
 
 
 def is_legacy_policy_config(config):

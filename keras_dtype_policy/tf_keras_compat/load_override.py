@@ -6,12 +6,21 @@ saved (tf.keras 2 files included), then rebuilt with every layer's policy
 replaced and the weights cast where a variable's dtype changes.
 """
 
+import os
+
+import keras
+
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import model_files
 
 
-def load_model(path, policy=None, rules=None, keep_float32=True):
+def load_model(
+    path: str | os.PathLike,
+    policy: str | keras.DTypePolicy | None = None,
+    rules: precision_rules.PrecisionRules | None = None,
+    keep_float32: bool = True,
+) -> keras.Model:
     """Loads a `.keras` or `.h5` model file, optionally under a new policy.
 
     Args:

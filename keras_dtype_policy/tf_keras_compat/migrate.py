@@ -17,28 +17,28 @@ import os
 import pathlib
 import re
 import tempfile
-import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
 
-from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
 from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.policy import DTypePolicy
-from keras_dtype_policy.tf_keras_compat import config_translation
 from keras_dtype_policy.tf_keras_compat import file_limits
 from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tf_keras_compat.config_diff import Change
+from keras_dtype_policy.tf_keras_compat.config_diff import config_changes
+from keras_dtype_policy.tf_keras_compat.config_diff import describe_dtype
+from keras_dtype_policy.tf_keras_compat.config_diff import describe_loss_scale
+from keras_dtype_policy.tf_keras_compat.config_diff import layer_name
 from keras_dtype_policy.tf_keras_compat.model_files import ModelFileError
 
 _KERAS_POLICIES = (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
-_CLASS_KEYS = ("class_name", "module", "registered_name")
-_COMPILE_KEYS = ("compile_config", "training_config")
-_OPTIMIZER_KEYS = ("optimizer", "optimizer_config")
 # The most bytes of weights a migration writes: this many times its source
 # file's size (a policy of wider variables doubles them, a first optimizer
 # state triples them), plus `OUTPUT_SLACK`.
@@ -46,15 +46,11 @@ OUTPUT_GROWTH = 8
 OUTPUT_SLACK = 64 * 2**20
 
 
-@dataclasses.dataclass
-class Change:
-    """One rewrite: what it touched (`subject`) and how (`text`)."""
+class VerifiedValues(NamedTuple):
+    """How many values `verify` found the same in the written file."""
 
-    subject: str
-    text: str
-
-    def __str__(self):
-        return f"{self.subject}: {self.text}"
+    weights: int
+    optimizer_values: int
 
 
 @dataclasses.dataclass
@@ -103,20 +99,9 @@ def migrate(old, new, overwrite=False, policy=None):
             path, or the written file does not give back the same weights.
     """
     new = pathlib.Path(new)
-    if new.suffix != ".keras":
-        raise ModelFileError(f"{new}: the new file's name must end in .keras")
-    if not new.parent.is_dir():
-        raise ModelFileError(f"{new}: no such directory: {new.parent}")
-    if new.is_dir():
-        raise ModelFileError(f"{new}: is a directory, not a .keras file")
+    _check_target_name(new)
     source = model_files.read_model_file(old)
-    if new.exists():
-        if new.resolve() == source.path.resolve():
-            raise ModelFileError(f"{new}: is the file being migrated")
-        if not overwrite:
-            raise ModelFileError(
-                f"{new}: exists already (use --force to replace it)"
-            )
+    _check_target_free(new, source, overwrite)
     model, messages = model_files.load_model(source)
     try:
         changes = config_changes(source)
@@ -131,6 +116,44 @@ def migrate(old, new, overwrite=False, policy=None):
     notes = [m for m in messages if "loss scale" not in m]
     if policy is not None:
         model = _override_policy(model, policy, changes, notes)
+    notes += _restarted_scale_notes(source, model)
+    check_output_size(model, source.path)
+    written = _save_verified(model, new)
+    return Migration(
+        source=source,
+        target=new,
+        changes=changes,
+        dropped_loss_scales=dropped,
+        notes=notes,
+        weights=written.weights,
+        optimizer_values=written.optimizer_values,
+    )
+
+
+def _check_target_name(new):
+    """Refuses a `new` that is not a `.keras` file in a directory."""
+    if new.suffix != ".keras":
+        raise ModelFileError(f"{new}: the new file's name must end in .keras")
+    if not new.parent.is_dir():
+        raise ModelFileError(f"{new}: no such directory: {new.parent}")
+    if new.is_dir():
+        raise ModelFileError(f"{new}: is a directory, not a .keras file")
+
+
+def _check_target_free(new, source, overwrite):
+    """Refuses a `new` that is the source, or exists without `overwrite`."""
+    if not new.exists():
+        return
+    if new.resolve() == source.path.resolve():
+        raise ModelFileError(f"{new}: is the file being migrated")
+    if not overwrite:
+        raise ModelFileError(
+            f"{new}: exists already (use --force to replace it)"
+        )
+
+
+def _restarted_scale_notes(source, model):
+    """A note where a dynamic loss scale restarts: tf.keras kept none."""
     optimizer = getattr(model, "optimizer", None)
     if (
         source.from_tf_keras
@@ -138,24 +161,14 @@ def migrate(old, new, overwrite=False, policy=None):
         and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         and getattr(optimizer, "dynamic", True)
     ):
-        notes.append(
+        return [
             "tf.keras 2 files hold no loss-scale state: the dynamic scale "
             f"restarts at initial_scale {optimizer.initial_scale:g}; the "
             "inner optimizer's state "
             f"({int(keras.ops.convert_to_numpy(optimizer.iterations))} "
             "iterations) is kept"
-        )
-    check_output_size(model, source.path)
-    weights, optimizer_values = _save_verified(model, new)
-    return Migration(
-        source=source,
-        target=new,
-        changes=changes,
-        dropped_loss_scales=dropped,
-        notes=notes,
-        weights=weights,
-        optimizer_values=optimizer_values,
-    )
+        ]
+    return []
 
 
 def _override_policy(model, policy, changes, notes):
@@ -190,32 +203,6 @@ def _override_policy(model, policy, changes, notes):
     return new
 
 
-def config_changes(source):
-    """Lists what the translation changes in a file's configs.
-
-    Args:
-        source: A `ModelFile`.
-
-    Returns:
-        A list of `Change`s.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # dropped loss scales: listed apart
-        translated = config_translation.translate_model_config(
-            source.model_config
-        )
-        changes = list(_diff(source.model_config, translated, "model", ()))
-        # .h5 files and SavedModels hold the training config apart.
-        if source.format in ("h5", "savedmodel") and source.compile_config:
-            translated_compile = config_translation.translate_compile_config(
-                source.compile_config
-            )
-            changes += _diff(
-                source.compile_config, translated_compile, "compile", ()
-            )
-    return changes
-
-
 def dropped_loss_scales(config):
     """Lists the loss scales that tf.keras policies in `config` carried."""
     dropped = []
@@ -224,8 +211,8 @@ def dropped_loss_scales(config):
             scale = (dtype.get("config") or {}).get("loss_scale")
             if scale is not None:
                 dropped.append(
-                    f"{path}: {_describe_dtype(dtype)}: "
-                    f"{_describe_loss_scale(scale)}"
+                    f"{path}: {describe_dtype(dtype)}: "
+                    f"{describe_loss_scale(scale)}"
                 )
     return dropped
 
@@ -260,7 +247,7 @@ def _layer_dtypes(config):
         if path:
             yield path, inner.get("dtype")
         for layer in inner.get("layers") or ():
-            name = _layer_name(layer)
+            name = layer_name(layer)
             if name is not None:
                 yield from visit(layer, f"{path}/{name}" if path else name)
 
@@ -329,7 +316,8 @@ def verify(model, path, name=None):
         name: The file's name in messages; `path` if None.
 
     Returns:
-        The numbers of weights and of optimizer values compared.
+        The `VerifiedValues`: how many weights and optimizer values were
+        compared.
 
     Raises:
         ModelFileError: if anything differs.
@@ -337,39 +325,45 @@ def verify(model, path, name=None):
     shown = path if name is None else name
     written = model_files.read_model_file(path)
     reloaded, _ = model_files.load_model(written)
-    pairs = [("weight", model.weights, reloaded.weights)]
+    _compare_values("weight", model.weights, reloaded.weights, shown)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        pairs.append(
-            (
-                "optimizer value",
-                optimizer.variables,
-                getattr(reloaded.optimizer, "variables", []),
-            )
+    if optimizer is None:
+        return VerifiedValues(weights=len(model.weights), optimizer_values=0)
+    _compare_values(
+        "optimizer value",
+        optimizer.variables,
+        getattr(reloaded.optimizer, "variables", []),
+        shown,
+    )
+    return VerifiedValues(
+        weights=len(model.weights),
+        optimizer_values=len(optimizer.variables),
+    )
+
+
+def _compare_values(what, expected, found, shown):
+    """Raises a ModelFileError unless `found` holds `expected`'s values."""
+    if len(expected) != len(found):
+        raise ModelFileError(
+            f"{shown}: holds {len(found)} {what}s instead of "
+            f"{len(expected)}; the migration is incomplete"
         )
-    for what, expected, found in pairs:
-        if len(expected) != len(found):
+    for a, b in zip(expected, found, strict=True):
+        if not np.array_equal(
+            keras.ops.convert_to_numpy(a),
+            keras.ops.convert_to_numpy(b),
+            equal_nan=True,
+        ):
             raise ModelFileError(
-                f"{shown}: holds {len(found)} {what}s instead of "
-                f"{len(expected)}; the migration is incomplete"
+                f"{shown}: its {what} {b.path} differs from the "
+                "original's; the migration is incomplete"
             )
-        for a, b in zip(expected, found, strict=True):
-            if not np.array_equal(
-                keras.ops.convert_to_numpy(a),
-                keras.ops.convert_to_numpy(b),
-                equal_nan=True,
-            ):
-                raise ModelFileError(
-                    f"{shown}: its {what} {b.path} differs from the "
-                    "original's; the migration is incomplete"
-                )
-    return len(model.weights), len(pairs[1][1]) if len(pairs) > 1 else 0
 
 
 def _save_verified(model, path):
     """Saves to a temporary file beside `path`, verifies it, then moves it
     to `path`: any failure (the verification's too) leaves `path` as it
-    was. Returns what `verify` returns."""
+    was. Returns the `VerifiedValues` of `verify`."""
     handle, temporary = tempfile.mkstemp(
         suffix=".keras", prefix=".migrating-", dir=path.parent
     )
@@ -383,125 +377,6 @@ def _save_verified(model, path):
             os.remove(temporary)
         raise
     return counts
-
-
-def _diff(before, after, subject, keys, prefix=""):
-    """Yields the `Change`s between two configs, object by object.
-
-    Args:
-        before: The config as read.
-        after: The config as translated.
-        subject: What the changes are about: a layer's path, `"model"`,
-            `"compile"`, `"optimizer"`...
-        keys: The keys from the subject's config down to `before`.
-        prefix: The layer path of the model whose layers are below.
-    """
-    if isinstance(before, dict) and isinstance(after, dict):
-        if _is_object(before):
-            yield from _diff_object(before, after, subject, keys, prefix)
-        else:
-            yield from _diff_dicts(before, after, subject, keys, prefix)
-    elif (
-        isinstance(before, list)
-        and isinstance(after, list)
-        and len(before) == len(after)
-    ):
-        for index, (b, a) in enumerate(zip(before, after, strict=True)):
-            yield from _diff(b, a, subject, (*keys, str(index)), prefix)
-    elif before != after or type(before) is not type(after):
-        where = ".".join(keys) if keys else "value"
-        yield Change(subject, f"{where} {_json(before)} -> {_json(after)}")
-
-
-def _diff_object(before, after, subject, keys, prefix):
-    """Diffs a serialized object: its class, then its config and the rest."""
-    if {k: before.get(k) for k in _CLASS_KEYS} != {
-        k: after.get(k) for k in _CLASS_KEYS
-    }:
-        yield Change(
-            subject, f"{_describe_class(before)} -> {_describe_class(after)}"
-        )
-    if not isinstance(after.get("config"), dict):
-        return
-    yield from _diff_dicts(
-        before["config"], after["config"], subject, keys, prefix
-    )
-    rest = [k for k in before if k not in (*_CLASS_KEYS, "config")]
-    yield from _diff_dicts(
-        {k: before[k] for k in rest},
-        {k: after[k] for k in rest if k in after},
-        subject,
-        keys,
-        prefix,
-    )
-
-
-def _diff_dicts(before, after, subject, keys, prefix):
-    removed = {k: v for k, v in before.items() if k not in after}
-    added = {k: v for k, v in after.items() if k not in before}
-    for old_key, value in list(removed.items()):
-        renamed = [k for k, v in added.items() if v == value]
-        if renamed:
-            yield Change(
-                subject,
-                f"{_join(keys, old_key)} renamed {_join(keys, renamed[0])}",
-            )
-            del removed[old_key], added[renamed[0]]
-    if removed:
-        listed = ", ".join(
-            f"{_join(keys, key)}={_json(value)}"
-            for key, value in removed.items()
-        )
-        yield Change(subject, f"removed {listed}")
-    for key, value in added.items():
-        yield Change(subject, f"added {_join(keys, key)}={_json(value)}")
-    for key in before:
-        if key not in after:
-            continue
-        b, a = before[key], after[key]
-        if key == "dtype" and not keys:
-            if b != a:
-                yield Change(
-                    subject,
-                    f"{_describe_dtype(b)} -> {_describe_new_dtype(a)}",
-                )
-        elif key == "layers" and isinstance(b, list) and isinstance(a, list):
-            yield from _diff_layers(b, a, subject, keys, prefix)
-        elif key in _COMPILE_KEYS:
-            yield from _diff(b, a, "compile", ())
-        elif key in _OPTIMIZER_KEYS and subject == "compile":
-            yield from _diff(b, a, "optimizer", ())
-        elif key == "inner_optimizer":
-            yield from _diff(b, a, f"{subject}.inner_optimizer", ())
-        else:
-            yield from _diff(b, a, subject, (*keys, key), prefix)
-
-
-def _diff_layers(before, after, subject, keys, prefix):
-    if len(before) != len(after):
-        yield Change(
-            subject, f"{_join(keys, 'layers')}: {len(before)} -> {len(after)}"
-        )
-        return
-    for b, a in zip(before, after, strict=True):
-        name = _layer_name(b)
-        if name is None:
-            yield from _diff(b, a, subject, (*keys, "layers"), prefix)
-            continue
-        path = f"{prefix}/{name}" if prefix else name
-        yield from _diff(b, a, path, (), path)
-
-
-def _layer_name(node):
-    if not isinstance(node, dict):
-        return None
-    inner = node.get("config")
-    name = inner.get("name") if isinstance(inner, dict) else None
-    return name if isinstance(name, str) else node.get("name")
-
-
-def _is_object(node):
-    return "class_name" in node and "config" in node
 
 
 def _with_loaded_policy(change, model):
@@ -530,61 +405,3 @@ def _find_layer(model, path):
             return None
         layer = found[0]
     return layer
-
-
-def _describe_class(node):
-    registered = node.get("registered_name")
-    class_name = node.get("class_name")
-    module = node.get("module")
-    if isinstance(registered, str) and ">" in registered:
-        return registered.replace(">", ".")
-    if module in (None, "keras", "builtins"):
-        return f"{module}.{class_name}" if module else str(class_name)
-    if module.startswith("keras.") and not module.startswith("keras.src"):
-        return f"{module}.{class_name}"
-    return f"{class_name} ({module})"
-
-
-def _describe_dtype(dtype):
-    if dtype is None:
-        return "null (tf.keras: infer from the input)"
-    if isinstance(dtype, str):
-        return f'"{dtype}"'
-    if isinstance(dtype, dict):
-        inner = dtype.get("config") or {}
-        name = inner.get("name")
-        scale = inner.get("loss_scale")
-        extra = f", loss_scale={_describe_loss_scale(scale)}" if scale else ""
-        return f"{dtype.get('class_name')}({name}{extra})"
-    return repr(dtype)
-
-
-def _describe_new_dtype(dtype):
-    if isinstance(dtype, str) and dtype in ("_infer", "infer"):
-        return f'Policy "{dtype}" (infers from the first input)'
-    if isinstance(dtype, str):
-        return f'DTypePolicy "{dtype}"'
-    return _describe_dtype(dtype)
-
-
-def _describe_loss_scale(scale):
-    try:
-        return repr(get_loss_scale(scale))
-    except (TypeError, ValueError):
-        return _json(scale)
-
-
-def _join(keys, key):
-    return ".".join((*keys, key))
-
-
-def _json(value):
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, dict) and "class_name" in value:
-        return _describe_class(value)
-    return str(value)

@@ -21,7 +21,7 @@ class DemoChoice:
     policy: str
     recommended: str
     reason: str
-    low_precision: str = None
+    low_precision: str | None = None
 
     @property
     def follows_advice(self):

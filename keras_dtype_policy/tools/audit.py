@@ -12,9 +12,11 @@ the scale a dynamic `LossScaleOptimizer` would settle on.
 `docs/precision-rules-and-audit.md` explains each number.
 """
 
+import dataclasses
 import glob
 import math
 import os
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -33,36 +35,104 @@ from keras_dtype_policy.tools.float_tensors import float_tensors
 from keras_dtype_policy.tools.gradients import first_samples
 from keras_dtype_policy.tools.gradients import weight_gradients
 from keras_dtype_policy.tools.rounding import round_to
+from keras_dtype_policy.types import Data
+from keras_dtype_policy.types import LossFunction
 
 # A dynamic LossScaleOptimizer starts at 2**15 and halves on overflow.
 INITIAL_SCALE = 2.0**15
 FLOAT16_MAX = 65504.0
 
 
+class AuditData(NamedTuple):
+    """What the audit runs the model on.
+
+    Attributes:
+        x: The inputs, given or generated.
+        y: The labels for the gradient columns, or None.
+        loss: The loss for the gradient columns, or None.
+        generated: Whether the audit generated `x`.
+    """
+
+    x: Data
+    y: Data
+    loss: LossFunction | None
+    generated: bool
+
+
+class AuditedLayer(NamedTuple):
+    """A layer of one copy of the model, and its path in the model."""
+
+    layer: keras.layers.Layer
+    path: str
+
+
+@dataclasses.dataclass
+class LayerValues:
+    """The floating-point values one layer received and returned.
+
+    Attributes:
+        inputs: float64 NumPy arrays, one per tensor received (masks left
+            out), over every call.
+        outputs: The same for the tensors it returned.
+    """
+
+    inputs: list = dataclasses.field(default_factory=list)
+    outputs: list = dataclasses.field(default_factory=list)
+
+
+class CopyRun(NamedTuple):
+    """One copy of the model (float32 or the candidate), run on `x`.
+
+    Attributes:
+        layers: Its audited layers, depth first.
+        values: The values of each of `layers`, in the same order.
+        outputs: The model's outputs, a flat list of float64 NumPy arrays.
+    """
+
+    layers: list
+    values: list
+    outputs: list
+
+
+class Comparison(NamedTuple):
+    """Both copies' runs, and the gradients the audit's columns need.
+
+    Attributes:
+        reference: The float32 copy's run.
+        candidate: The candidate copy's run.
+        gradients: The float32 copy's weight gradients, by `id` of the
+            weight; None without labels and a loss.
+        scale: The loss scale of the 'at scale' column; None where no
+            layer computes in float16 or there are no gradients.
+    """
+
+    reference: CopyRun
+    candidate: CopyRun
+    gradients: dict | None
+    scale: float | None
+
+
 def audit(
-    model,
-    policy=None,
-    rules=None,
-    x=None,
-    y=None,
-    loss=None,
-    samples=256,
-    batch_size=32,
-    seed=0,
-    max_relative_error=0.05,
-    tolerance=0.01,
-):
+    model: keras.Model | str | os.PathLike,
+    policy: str | keras.DTypePolicy | None = None,
+    rules: precision_rules.PrecisionRules | None = None,
+    x: Data = None,
+    y: Data = None,
+    loss: LossFunction | None = None,
+    samples: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    max_relative_error: float = 0.05,
+    tolerance: float = 0.01,
+) -> audit_table.AuditTable:
     """Audits a model's numerics under a candidate policy against float32.
 
     Every layer that computes something is audited, also inside nested
-    models and layers (a keras-hub backbone, a `MultiHeadAttention`): the
-    audit runs the model and records what each such layer's `call`
-    receives and returns.
+    models and layers (a keras-hub backbone, a `MultiHeadAttention`).
 
     Args:
         model: A built functional or Sequential `keras.Model` (a keras-hub
-            task or backbone too), or the path of a `.keras` or `.h5`
-            file.
+            task or backbone too), or the path of a `.keras` or `.h5` file.
         policy: The candidate policy name; `"mixed_float16"` when neither
             `policy` nor `rules` is given.
         rules: A `PrecisionRules` as the candidate instead.
@@ -76,9 +146,9 @@ def audit(
         seed: The seed of the generated inputs.
         max_relative_error: The output's relative error above which the
             policy is not safe.
-        tolerance: The fraction of values flushed to zero (activations,
-            or gradients at the loss scale) above which a layer should be
-            kept in float32.
+        tolerance: The fraction of values flushed to zero (activations, or
+            gradients at the loss scale) above which a layer should be kept
+            in float32.
 
     Returns:
         An `AuditTable`.
@@ -92,9 +162,41 @@ def audit(
         policy = "mixed_float16"
     candidate_rules = load_override.override_rules(policy, rules)
     _refuse_float8(candidate_rules, policy, rules)
+    model = _audited_model(model)
+    _check_thresholds(max_relative_error, tolerance)
+    data = _audit_data(model, x, y, loss, samples, seed)
+    comparison = _compare(model, candidate_rules, data, batch_size)
+    rows = _rows(comparison, tolerance)
+    return _table(
+        model, candidate_rules, rows, comparison, data, max_relative_error
+    )
+
+
+def _audited_model(model):
+    """The model to audit: `model` itself, or the one its file holds."""
     if isinstance(model, (str, os.PathLike)):
         model, _ = model_files.load_model(model_files.read_model_file(model))
-    _check_model(model)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model or a model file's path. "
+            f"Received: model={model!r} (of type {type(model).__name__})"
+        )
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    if not inputs:
+        raise ValueError(
+            "The audit runs the model on inputs shaped as its own: "
+            "`model` must be a functional or Sequential model built "
+            f"on keras.Input. Received: model={model.name!r} "
+            f"({type(model).__name__})"
+        )
+    return model
+
+
+def _check_thresholds(max_relative_error, tolerance):
+    """Raises a ValueError for a threshold out of its range."""
     if (
         not isinstance(max_relative_error, (int, float))
         or not max_relative_error > 0
@@ -108,6 +210,10 @@ def audit(
             "`tolerance` must be a fraction in [0, 1). Received: "
             f"tolerance={tolerance!r}"
         )
+
+
+def _audit_data(model, x, y, loss, samples, seed):
+    """The inputs, generated where `x` is None, and the gradients' loss."""
     generated = x is None
     if generated:
         x = _generated_inputs(model, samples, seed)
@@ -118,49 +224,173 @@ def audit(
         )
     if loss is None and y is not None and getattr(model, "compiled", False):
         loss = getattr(model, "loss", None)
+    return AuditData(x=x, y=y, loss=loss, generated=generated)
 
+
+def _compare(model, candidate_rules, data, batch_size):
+    """Runs a float32 copy and a candidate copy of `model` on `data.x`."""
     reference = rules_application.apply_rules(model, "float32", False)
     candidate = rules_application.apply_rules(model, candidate_rules, True)
     reference_layers = _audited_layers(reference, model)
     candidate_layers = _audited_layers(candidate, model)
-    ref_values, ref_final = _run(reference, reference_layers, x, batch_size)
-    cand_values, cand_final = _run(candidate, candidate_layers, x, batch_size)
-
+    reference_run = _run(reference, reference_layers, data.x, batch_size)
+    candidate_run = _run(candidate, candidate_layers, data.x, batch_size)
     gradients = None
-    if y is not None and loss is not None:
+    if data.y is not None and data.loss is not None:
         gradients = weight_gradients(
             reference,
-            first_samples(x, batch_size),
-            first_samples(y, batch_size),
-            loss,
+            first_samples(data.x, batch_size),
+            first_samples(data.y, batch_size),
+            data.loss,
         )
     uses_float16 = any(
-        layer.compute_dtype == "float16" for layer, _ in candidate_layers
+        audited.layer.compute_dtype == "float16" for audited in candidate_layers
     )
     scale = None
     if gradients is not None and uses_float16:
         scale = _loss_scale(gradients.values())
+    return Comparison(reference_run, candidate_run, gradients, scale)
 
-    rows = []
-    for index, (layer, path) in enumerate(reference_layers):
-        dtype = candidate_layers[index][0].compute_dtype
-        rows.append(
-            _layer_row(
-                layer,
-                path,
-                dtype,
-                ref_values[index],
-                cand_values[index][1],
-                gradients,
-                scale,
-                tolerance,
-            )
+
+def _audited_layers(copy, model):
+    """Returns an `AuditedLayer` of `copy` per audited layer: the leaves,
+    and the layers with weights of their own, depth first."""
+    return [
+        AuditedLayer(layer, path)
+        for layer, path in rules_application.zip_layer_paths(
+            copy, model, "the audit's rows"
         )
-    output_error = _relative_error(ref_final, cand_final)
+        if layer_walk.is_leaf(layer) or layer_walk.own_weights(layer)
+    ]
+
+
+def _run(model, layers, x, batch_size):
+    """Returns the `CopyRun` of `model` on `x`.
+
+    The model runs on `x` batch by batch, each layer's `call` replaced
+    for the while by one that records the floating-point tensors it
+    receives (masks left out) and returns, on every call.
+    """
+    values = [LayerValues() for _ in layers]
+    outputs = []
+
+    def record(index, layer, args, kwargs, result):
+        given = [args] + [
+            value for key, value in kwargs.items() if "mask" not in key
+        ]
+        values[index].inputs.extend(_float_values(given))
+        values[index].outputs.extend(_float_values(result))
+
+    keyed = [(index, audited.layer) for index, audited in enumerate(layers)]
+    with layer_recorder.recording(keyed, record):
+        for start in range(0, _length(x), batch_size):
+            batch = keras.tree.map_structure(
+                lambda a, s=start: keras.ops.convert_to_tensor(
+                    np.asarray(a)[s : s + batch_size]
+                ),
+                x,
+            )
+            result = model(batch, training=False)
+            outputs += [_numpy(v) for v in keras.tree.flatten(result)]
+    return CopyRun(layers=layers, values=values, outputs=outputs)
+
+
+def _float_values(structure):
+    return [_numpy(value) for value in float_tensors(structure)]
+
+
+def _numpy(value):
+    return np.asarray(keras.ops.convert_to_numpy(value)).astype("float64")
+
+
+def _rows(comparison, tolerance):
+    """A `LayerAudit` per audited layer, in the reference's order."""
+    return [
+        _layer_row(
+            audited,
+            reference,
+            candidate,
+            candidate_layer.layer.compute_dtype,
+            comparison,
+            tolerance,
+        )
+        for audited, reference, candidate, candidate_layer in zip(
+            comparison.reference.layers,
+            comparison.reference.values,
+            comparison.candidate.values,
+            comparison.candidate.layers,
+            strict=True,
+        )
+    ]
+
+
+def _layer_row(audited, reference, candidate, dtype, comparison, tolerance):
+    """The `LayerAudit` of one layer from both copies' values."""
+    reference_out = _flat(reference.outputs)
+    candidate_out = _flat(candidate.outputs)
+    row = audit_table.LayerAudit(
+        name=audited.layer.name,
+        path=audited.path,
+        class_name=type(audited.layer).__name__,
+        compute_dtype=dtype,
+        relative_error=_relative_error(reference.outputs, candidate.outputs),
+        nonfinite=(
+            _mean(~np.isfinite(candidate_out)) if candidate_out.size else 0.0
+        ),
+        overflow=max(
+            _overflow(_flat(reference.inputs), dtype),
+            _overflow(reference_out, dtype),
+        ),
+        flush_to_zero=_flush(reference_out, dtype, 1.0),
+    )
+    weights = _audited_weights(audited.layer)
+    if comparison.gradients is not None and weights:
+        grads = [comparison.gradients[id(v)] for v in weights]
+        grads = np.concatenate([g.reshape(-1) for g in grads])
+        row.gradient_underflow = _flush(grads, dtype, 1.0)
+        if comparison.scale is not None:
+            row.scaled_gradient_underflow = _flush(
+                grads, dtype, comparison.scale
+            )
+    reasons = _keep_float32_reasons(row, comparison.scale, tolerance)
+    row.keep_float32 = bool(reasons)
+    row.reason = "; ".join(reasons)
+    return row
+
+
+def _keep_float32_reasons(row, scale, tolerance):
+    """Why the layer of `row` should stay in float32; [] if it need not."""
+    dtype = row.compute_dtype
     reasons = []
-    for row in rows:
-        if row.keep_float32:
-            reasons.append(f"{row.path}: {row.reason}")
+    if dtype == "float32":
+        return reasons
+    if row.overflow > 0:
+        reasons.append(
+            f"{format_fraction(row.overflow)} of its inputs or outputs "
+            f"overflow {dtype}"
+        )
+    if row.flush_to_zero > tolerance:
+        reasons.append(
+            f"{format_fraction(row.flush_to_zero)} of its outputs flush to "
+            f"zero in {dtype}"
+        )
+    scaled = row.scaled_gradient_underflow
+    if scale is None:
+        scaled = row.gradient_underflow if dtype == "bfloat16" else None
+    if scaled is not None and scaled > tolerance:
+        reasons.append(
+            f"{format_fraction(scaled)} of its gradients flush to zero "
+            f"in {dtype}" + (" at the loss scale" if scale else "")
+        )
+    return reasons
+
+
+def _table(model, candidate_rules, rows, comparison, data, max_relative_error):
+    """The `AuditTable`: the rows, the verdict and the recommended rules."""
+    output_error = _relative_error(
+        comparison.reference.outputs, comparison.candidate.outputs
+    )
+    reasons = [f"{row.path}: {row.reason}" for row in rows if row.keep_float32]
     if not math.isfinite(output_error) or output_error > max_relative_error:
         reasons.append(
             f"the output's relative error {format_error(output_error)} exceeds "
@@ -181,133 +411,14 @@ def audit(
         model_name=model.name,
         rules=candidate_rules,
         rows=rows,
-        samples=_length(x),
-        generated_inputs=generated,
+        samples=_length(data.x),
+        generated_inputs=data.generated,
         output_relative_error=output_error,
-        loss_scale=scale,
+        loss_scale=comparison.scale,
         safe=not reasons,
         reasons=reasons,
         recommended_rules=recommended,
     )
-
-
-def _check_model(model):
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model or a model file's path. "
-            f"Received: model={model!r} (of type {type(model).__name__})"
-        )
-    try:
-        inputs = model.inputs
-    except (AttributeError, ValueError):
-        inputs = None
-    if not inputs:
-        raise ValueError(
-            "The audit runs the model on inputs shaped as its own: "
-            "`model` must be a functional or Sequential model built "
-            f"on keras.Input. Received: model={model.name!r} "
-            f"({type(model).__name__})"
-        )
-
-
-def _audited_layers(copy, model):
-    """Returns `(layer of copy, path in model)` per audited layer: the
-    leaves, and the layers with weights of their own, depth first."""
-    return [
-        (layer, path)
-        for layer, path in rules_application.zip_layer_paths(
-            copy, model, "the audit's rows"
-        )
-        if layer_walk.is_leaf(layer) or layer_walk.own_weights(layer)
-    ]
-
-
-def _run(model, layers, x, batch_size):
-    """Returns `(inputs, outputs)` of each layer, then the model's outputs.
-
-    The model runs on `x` batch by batch, each layer's `call` replaced
-    for the while by one that records the floating-point tensors it
-    receives (masks left out) and returns, on every call. Every value is
-    a flat list of NumPy arrays.
-    """
-    records = [([], []) for _ in layers]
-    finals = []
-
-    def record(index, layer, args, kwargs, result):
-        given = [args] + [
-            value for key, value in kwargs.items() if "mask" not in key
-        ]
-        records[index][0].extend(_float_values(given))
-        records[index][1].extend(_float_values(result))
-
-    keyed = [(index, layer) for index, (layer, _) in enumerate(layers)]
-    with layer_recorder.recording(keyed, record):
-        for start in range(0, _length(x), batch_size):
-            batch = keras.tree.map_structure(
-                lambda a, s=start: keras.ops.convert_to_tensor(
-                    np.asarray(a)[s : s + batch_size]
-                ),
-                x,
-            )
-            outputs = model(batch, training=False)
-            finals += [_numpy(v) for v in keras.tree.flatten(outputs)]
-    return records, finals
-
-
-def _float_values(structure):
-    return [_numpy(value) for value in float_tensors(structure)]
-
-
-def _numpy(value):
-    return np.asarray(keras.ops.convert_to_numpy(value)).astype("float64")
-
-
-def _layer_row(layer, path, dtype, ref, cand_out, gradients, scale, tolerance):
-    ref_in, ref_out = ref
-    reference = _flat(ref_out)
-    candidate = _flat(cand_out)
-    row = audit_table.LayerAudit(
-        name=layer.name,
-        path=path,
-        class_name=type(layer).__name__,
-        compute_dtype=dtype,
-        relative_error=_relative_error(ref_out, cand_out),
-        nonfinite=_mean(~np.isfinite(candidate)) if candidate.size else 0.0,
-        overflow=max(
-            _overflow(_flat(ref_in), dtype), _overflow(reference, dtype)
-        ),
-        flush_to_zero=_flush(reference, dtype, 1.0),
-    )
-    weights = _audited_weights(layer)
-    if gradients is not None and weights:
-        grads = [gradients[id(v)] for v in weights]
-        grads = np.concatenate([g.reshape(-1) for g in grads])
-        row.gradient_underflow = _flush(grads, dtype, 1.0)
-        if scale is not None:
-            row.scaled_gradient_underflow = _flush(grads, dtype, scale)
-    reasons = []
-    if dtype != "float32":
-        if row.overflow > 0:
-            reasons.append(
-                f"{format_fraction(row.overflow)} of its inputs or outputs "
-                f"overflow {dtype}"
-            )
-        if row.flush_to_zero > tolerance:
-            reasons.append(
-                f"{format_fraction(row.flush_to_zero)} of its outputs flush to "
-                f"zero in {dtype}"
-            )
-        scaled = row.scaled_gradient_underflow
-        if scale is None:
-            scaled = row.gradient_underflow if dtype == "bfloat16" else None
-        if scaled is not None and scaled > tolerance:
-            reasons.append(
-                f"{format_fraction(scaled)} of its gradients flush to zero "
-                f"in {dtype}" + (" at the loss scale" if scale else "")
-            )
-    row.keep_float32 = bool(reasons)
-    row.reason = "; ".join(reasons)
-    return row
 
 
 def _audited_weights(layer):

@@ -48,14 +48,14 @@ class LayerAudit:
     nonfinite: float
     overflow: float
     flush_to_zero: float
-    gradient_underflow: float = None
-    scaled_gradient_underflow: float = None
+    gradient_underflow: float | None = None
+    scaled_gradient_underflow: float | None = None
     keep_float32: bool = False
     reason: str = ""
 
 
 @dataclasses.dataclass
-class AuditTable:
+class AuditTable(tables.RowsReport):
     """The audit of one model under one candidate policy.
 
     Iterate over it for its `LayerAudit` rows; `row(path)` finds one.
@@ -117,12 +117,6 @@ class AuditTable:
             )
         raise KeyError(f"No layer at {path!r} in the audit")
 
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self):
-        return len(self.rows)
-
     def to_dict(self):
         """Returns the audit as a JSON-serializable dict."""
         return {
@@ -145,43 +139,23 @@ class AuditTable:
 
     def format(self):
         """Returns the audit as lines of text."""
-        header = (
-            "layer",
-            "class",
-            "compute",
-            "rel. error",
-            "nonfinite",
-            "overflow",
-            "to zero",
-            "grad to 0",
-            "at scale",
-            "keep f32",
-        )
-        rows = [
-            (
-                row.path,
-                row.class_name,
-                row.compute_dtype,
-                format_error(row.relative_error),
-                format_fraction(row.nonfinite),
-                format_fraction(row.overflow),
-                format_fraction(row.flush_to_zero),
-                format_fraction(row.gradient_underflow),
-                format_fraction(row.scaled_gradient_underflow),
-                "yes" if row.keep_float32 else "",
-            )
-            for row in self.rows
-        ]
         source = "generated" if self.generated_inputs else "given"
         lines = [
             f"Audit of {self.model_name} under {_describe(self.rules)}, "
             f"{self.samples} {source} samples, against float32",
             "",
-            *tables.format_table(header, rows, align="lllrrrrrrl"),
+            *tables.format_table(
+                _COLUMNS, [_cells(row) for row in self.rows], align=_ALIGN
+            ),
             "",
             "output relative error: "
             + format_error(self.output_relative_error),
         ]
+        return lines + self._verdict_lines() + self._recommendation_lines()
+
+    def _verdict_lines(self):
+        """The loss scale's line, the verdict and its reasons."""
+        lines = []
         if self.loss_scale is not None:
             lines.append(
                 f"loss scale for 'at scale': {self.loss_scale:g} (the "
@@ -193,25 +167,27 @@ class AuditTable:
         else:
             lines.append(f"verdict: {self.policy} is NOT safe as it is:")
             lines += [f"  - {reason}" for reason in self.reasons]
-        for row in self.rows:
-            if row.keep_float32:
-                lines.append(f"keep in float32: {row.path}: {row.reason}")
-        if self.keep_float32:
-            base = "rules"
-            if not len(self.rules):
-                base = f'kdp.PrecisionRules("{self.policy}")'
-            lines += [
-                "apply the recommended rules (`recommended_rules` in Python,"
-                " in JSON with --json):",
-                f"  rules = {base}.extend(",
-                '      kdp.PrecisionRule("float32", paths='
-                f"{self.keep_float32!r}))",
-                "  model = kdp.apply_rules(model, rules)",
-            ]
         return lines
 
-    def __str__(self):
-        return "\n".join(self.format())
+    def _recommendation_lines(self):
+        """The layers to keep in float32, and the rules that do it."""
+        lines = [
+            f"keep in float32: {row.path}: {row.reason}"
+            for row in self.rows
+            if row.keep_float32
+        ]
+        if not self.keep_float32:
+            return lines
+        base = "rules"
+        if not len(self.rules):
+            base = f'kdp.PrecisionRules("{self.policy}")'
+        return lines + [
+            "apply the recommended rules (`recommended_rules` in Python,"
+            " in JSON with --json):",
+            f"  rules = {base}.extend(",
+            f'      kdp.PrecisionRule("float32", paths={self.keep_float32!r}))',
+            "  model = kdp.apply_rules(model, rules)",
+        ]
 
     def plot(self, path):
         """Writes a PNG of the per-layer numbers (needs matplotlib)."""
@@ -255,6 +231,38 @@ class AuditTable:
         figure.tight_layout()
         figure.savefig(path)
         pyplot.close(figure)
+
+
+# The columns of the text table, and how each is aligned.
+_COLUMNS = (
+    "layer",
+    "class",
+    "compute",
+    "rel. error",
+    "nonfinite",
+    "overflow",
+    "to zero",
+    "grad to 0",
+    "at scale",
+    "keep f32",
+)
+_ALIGN = "lllrrrrrrl"
+
+
+def _cells(row):
+    """One `LayerAudit` as the text table's cells."""
+    return (
+        row.path,
+        row.class_name,
+        row.compute_dtype,
+        format_error(row.relative_error),
+        format_fraction(row.nonfinite),
+        format_fraction(row.overflow),
+        format_fraction(row.flush_to_zero),
+        format_fraction(row.gradient_underflow),
+        format_fraction(row.scaled_gradient_underflow),
+        "yes" if row.keep_float32 else "",
+    )
 
 
 def _describe(rules):

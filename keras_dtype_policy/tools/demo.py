@@ -12,6 +12,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.loss_scaling import plots
 from keras_dtype_policy.loss_scaling.callbacks import LossScaleMonitor
 from keras_dtype_policy.policies.global_policy import policy_scope
@@ -162,46 +163,63 @@ def run_demo(
         policy is float32).
     """
     data = load_digits(max_samples)
-    print_fn("Training a small convnet on scikit-learn's handwritten digits")
-    print_fn(
-        f"({len(data.x_train)} training and {len(data.x_test)} test images, "
-        "8x8 pixels, 10 classes)"
-    )
-    print_fn(f"backend: {keras.backend.backend()}")
-    for line in advice_lines(policy, advice):
-        print_fn(line)
+    _print_introduction(data, policy, advice, print_fn)
     policies = [policy] if policy == "float32" else [policy, "float32"]
     runs = []
     for index, name in enumerate(policies, start=1):
-        role = " (for comparison)" if index > 1 else ""
-        if advice is not None and name == advice.recommended:
-            role = (
-                " (recommended here)"
-                if index == 1
-                else (" (for comparison; recommended here)")
-            )
         print_fn("")
-        print_fn(f"[{index}/{len(policies)}] policy {name}{role}")
+        print_fn(
+            f"[{index}/{len(policies)}] policy {name}"
+            f"{_run_role(index, name, advice)}"
+        )
         runs.append(train(name, data, epochs, verbose))
-    chosen = runs[0]
     print_fn("")
-    for line in report_lines(chosen, runs[-1]):
+    for line in report_lines(runs[0], runs[-1]):
         print_fn(line)
     if advice is not None:
-        print_fn("")
-        for line in wrap(
-            f"Recommended on this machine (as 'keras-dtype-policy doctor' "
-            f"says): {advice.recommended}: {advice.reason}."
-        ):
-            print_fn(line)
-        if advice.low_precision:
-            for line in wrap(f"Memory-bound training: {advice.low_precision}."):
-                print_fn(line)
+        _print_recommendation(advice, print_fn)
     if plot_path is not None:
         write_plot(plot_path, runs)
         print_fn("")
         print_fn(f"plot written to {plot_path}")
     return runs
+
+
+def _print_introduction(data, policy, advice, print_fn):
+    """Prints what the demo trains, on which backend, and why `policy`."""
+    print_fn("Training a small convnet on scikit-learn's handwritten digits")
+    print_fn(
+        f"({len(data.x_train)} training and {len(data.x_test)} test images, "
+        "8x8 pixels, 10 classes)"
+    )
+    print_fn(f"backend: {backend_dispatch.name()}")
+    for line in advice_lines(policy, advice):
+        print_fn(line)
+
+
+def _run_role(index, name, advice):
+    """What the `index`-th run (from 1) is there for, as a suffix."""
+    role = " (for comparison)" if index > 1 else ""
+    if advice is not None and name == advice.recommended:
+        role = (
+            " (recommended here)"
+            if index == 1
+            else (" (for comparison; recommended here)")
+        )
+    return role
+
+
+def _print_recommendation(advice, print_fn):
+    """Prints the policy `doctor` recommends on this machine, and why."""
+    print_fn("")
+    for line in wrap(
+        f"Recommended on this machine (as 'keras-dtype-policy doctor' "
+        f"says): {advice.recommended}: {advice.reason}."
+    ):
+        print_fn(line)
+    if advice.low_precision:
+        for line in wrap(f"Memory-bound training: {advice.low_precision}."):
+            print_fn(line)
 
 
 def advice_lines(policy, advice):
@@ -386,7 +404,7 @@ def write_plot(path, runs):
         path,
         losses=losses,
         loss_scale=loss_scale,
-        title=f"digits convnet on {keras.backend.backend()}: "
+        title=f"digits convnet on {backend_dispatch.name()}: "
         f"{chosen.policy} against float32",
     )
 

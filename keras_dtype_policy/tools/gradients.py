@@ -7,6 +7,8 @@ TensorFlow `GradientTape`, torch's `backward`), imported when called.
 import keras
 import numpy as np
 
+from keras_dtype_policy import backend_dispatch
+
 
 def gradients(model, loss_of_outputs, x, caller):
     """Returns the gradients of a loss of the model's outputs on `x`.
@@ -24,7 +26,7 @@ def gradients(model, loss_of_outputs, x, caller):
         a backend tensor, or None where the loss does not depend on it.
     """
     variables = model.trainable_variables
-    backend = keras.backend.backend()
+    backend = backend_dispatch.name()
     if backend == "jax":
         import jax
 

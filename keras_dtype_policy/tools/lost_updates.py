@@ -21,6 +21,8 @@ from keras_dtype_policy.tools import tables
 from keras_dtype_policy.tools.gradients import first_samples
 from keras_dtype_policy.tools.gradients import weight_gradients
 from keras_dtype_policy.tools.rounding import round_to
+from keras_dtype_policy.types import Data
+from keras_dtype_policy.types import LossFunction
 
 OPTIMIZER_STEPS = ("sgd", "adam")
 DTYPES = ("bfloat16", "float16")
@@ -50,7 +52,7 @@ class WeightUpdates:
 
 
 @dataclasses.dataclass(frozen=True)
-class LostUpdates:
+class LostUpdates(tables.RowsReport):
     """The updates of one step that a low-precision dtype rounds away.
 
     Iterate over it for its `WeightUpdates` rows; `row(path)` finds one.
@@ -83,12 +85,6 @@ class LostUpdates:
             if row.path == path:
                 return row
         raise KeyError(f"No trainable weight at {path!r}")
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self):
-        return len(self.rows)
 
     def to_dict(self):
         """Returns the result as a JSON-serializable dict."""
@@ -132,20 +128,17 @@ class LostUpdates:
             )
         return lines
 
-    def __str__(self):
-        return "\n".join(self.format())
-
 
 def lost_updates(
-    model,
-    x,
-    y,
-    learning_rate=1e-3,
-    optimizer="adam",
-    dtype="bfloat16",
-    loss=None,
-    batch_size=32,
-):
+    model: keras.Model,
+    x: Data,
+    y: Data,
+    learning_rate: float = 1e-3,
+    optimizer: str = "adam",
+    dtype: str = "bfloat16",
+    loss: LossFunction | None = None,
+    batch_size: int = 32,
+) -> LostUpdates:
     """Counts the updates of one step that low-precision weights lose.
 
     The gradients of the loss on the first `batch_size` samples are
@@ -178,6 +171,40 @@ def lost_updates(
     >>> print(result)  # doctest: +SKIP
     """
     _check_arguments(model, learning_rate, optimizer, dtype, batch_size)
+    loss = _gradient_loss(model, y, loss)
+    reference = rules_application.apply_rules(model, "float32", False)
+    gradients = weight_gradients(
+        reference,
+        first_samples(x, batch_size),
+        first_samples(y, batch_size),
+        loss,
+    )
+    return LostUpdates(
+        model_name=model.name,
+        dtype=dtype,
+        optimizer=optimizer,
+        learning_rate=float(learning_rate),
+        rows=_weight_rows(
+            reference, gradients, learning_rate, optimizer, dtype
+        ),
+    )
+
+
+def _weight_rows(reference, gradients, learning_rate, optimizer, dtype):
+    """A `WeightUpdates` per trainable variable of `reference`."""
+    return tuple(
+        weight_row(
+            variable.path,
+            np.asarray(keras.ops.convert_to_numpy(variable.value), "float64"),
+            step(gradients[id(variable)], learning_rate, optimizer),
+            dtype,
+        )
+        for variable in reference.trainable_variables
+    )
+
+
+def _gradient_loss(model, y, loss):
+    """The loss of the gradients: `loss`, else the model's compiled one."""
     if y is None:
         raise ValueError(
             "lost_updates needs labels to compute gradients. Received: y=None"
@@ -189,28 +216,7 @@ def lost_updates(
             "lost_updates needs a loss: compile the model or pass `loss`. "
             "Received: loss=None"
         )
-    reference = rules_application.apply_rules(model, "float32", False)
-    gradients = weight_gradients(
-        reference,
-        first_samples(x, batch_size),
-        first_samples(y, batch_size),
-        loss,
-    )
-    rows = []
-    for variable in reference.trainable_variables:
-        weight = np.asarray(
-            keras.ops.convert_to_numpy(variable.value), "float64"
-        )
-        gradient = gradients[id(variable)]
-        update = step(gradient, learning_rate, optimizer)
-        rows.append(weight_row(variable.path, weight, update, dtype))
-    return LostUpdates(
-        model_name=model.name,
-        dtype=dtype,
-        optimizer=optimizer,
-        learning_rate=float(learning_rate),
-        rows=tuple(rows),
-    )
+    return loss
 
 
 def step(gradient, learning_rate, optimizer):

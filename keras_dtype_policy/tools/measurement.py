@@ -8,6 +8,8 @@ import time
 
 import keras
 
+from keras_dtype_policy import backend_dispatch
+
 
 class StepTimer(keras.callbacks.Callback):
     """Times every training step and records the loss after it.
@@ -134,7 +136,7 @@ class _JaxProbe:
 
 def _device_probe():
     """Returns a probe of the backend's accelerator, or None on a CPU."""
-    backend = keras.backend.backend()
+    backend = backend_dispatch.name()
     try:
         if backend == "torch":
             import torch

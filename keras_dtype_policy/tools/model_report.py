@@ -9,6 +9,7 @@ import re
 import keras
 import numpy as np
 
+from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies.introspection import public_class_name
@@ -67,7 +68,7 @@ def build_report(path):
         "file": str(model_file.path),
         "format": model_file.format,
         "written_by": model_file.writer,
-        "backend": keras.backend.backend(),
+        "backend": backend_dispatch.name(),
         "model": {
             "name": model.name,
             "class": public_class_name(model),

@@ -19,6 +19,8 @@ from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.tools import layer_recorder
 from keras_dtype_policy.tools.float_tensors import float_tensors
 from keras_dtype_policy.tools.gradients import gradients
+from keras_dtype_policy.types import Data
+from keras_dtype_policy.types import LossFunction
 
 
 @dataclasses.dataclass
@@ -90,7 +92,7 @@ class NonfiniteReport:
         checked_gradients: Whether gradients were checked (labels given).
     """
 
-    layer: ValueRange = None
+    layer: ValueRange | None = None
     inputs_finite: bool = True
     gradients: list = dataclasses.field(default_factory=list)
     checked_gradients: bool = False
@@ -133,7 +135,13 @@ class NonfiniteReport:
         )
 
 
-def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
+def find_nonfinite(
+    model: keras.Model,
+    x: Data,
+    y: Data = None,
+    loss: LossFunction | None = None,
+    loss_scale: float = 1.0,
+) -> NonfiniteReport:
     """Names the first layer (and the gradients) that go inf or NaN.
 
     Runs `model` once on the batch `x` (`training=False`), recording the
@@ -162,6 +170,21 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
     >>> print(report)
     All finite: no NaN, Inf or overflow in the inputs or layer outputs.
     """
+    _check_arguments(model, loss_scale)
+    if y is not None:
+        loss = _loss_function(model, loss)
+    x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
+    report = NonfiniteReport(inputs_finite=_all_finite(x))
+    report.layer = _first_nonfinite_layer(model, x)
+    if y is not None:
+        report.checked_gradients = True
+        y = keras.tree.map_structure(keras.ops.convert_to_tensor, y)
+        report.gradients = _nonfinite_gradients(model, x, y, loss, loss_scale)
+    return report
+
+
+def _check_arguments(model, loss_scale):
+    """Raises for a `model` or a `loss_scale` `find_nonfinite` cannot take."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -177,10 +200,11 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
             "`loss_scale` must be a finite number greater than 0. "
             f"Received: loss_scale={loss_scale!r}"
         )
-    if y is not None:
-        loss = _loss_function(model, loss)
-    x = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
-    report = NonfiniteReport(inputs_finite=_all_finite(x))
+
+
+def _first_nonfinite_layer(model, x):
+    """The `ValueRange` of the first layer output that is not finite (or
+    overflows its compute dtype), in the order layers return; or None."""
     records = []
 
     def record(path, layer, args, kwargs, result):
@@ -191,21 +215,23 @@ def find_nonfinite(model, x, y=None, loss=None, loss_scale=1.0):
     for path, layer, outputs in records:
         found = _value_range(path, _compute_dtype(layer), outputs)
         if found is not None and not found.finite:
-            report.layer = found
-            break
-    if y is not None:
-        report.checked_gradients = True
-        y = keras.tree.map_structure(keras.ops.convert_to_tensor, y)
-        variables = model.trainable_variables
-        grads = _gradients(model, x, y, loss, float(loss_scale))
-        for variable, grad in zip(variables, grads, strict=True):
-            if grad is None:
-                continue
-            dtype = keras.backend.standardize_dtype(grad.dtype)
-            found = _value_range(variable.path, dtype, [grad])
-            if not found.finite:
-                report.gradients.append(found)
-    return report
+            return found
+    return None
+
+
+def _nonfinite_gradients(model, x, y, loss, loss_scale):
+    """A `ValueRange` per trainable variable whose gradient is not finite."""
+    variables = model.trainable_variables
+    grads = _gradients(model, x, y, loss, float(loss_scale))
+    found = []
+    for variable, grad in zip(variables, grads, strict=True):
+        if grad is None:
+            continue
+        dtype = keras.backend.standardize_dtype(grad.dtype)
+        value_range = _value_range(variable.path, dtype, [grad])
+        if not value_range.finite:
+            found.append(value_range)
+    return found
 
 
 def _loss_function(model, loss):

@@ -6,6 +6,28 @@ import textwrap
 WIDTH = 79
 
 
+class RowsReport:
+    """A report of `rows` that prints as the lines of its `format()`.
+
+    Mixed into the dataclasses of the tools' results (`AuditTable`,
+    `LostUpdates`): iterating gives the rows, `len` counts them and `str`
+    is the text report.
+    """
+
+    def format(self):
+        """Returns the report as lines of text."""
+        raise NotImplementedError
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __str__(self):
+        return "\n".join(self.format())
+
+
 def format_table(header, rows, indent="", align=None):
     """Returns the lines of an aligned text table.
 
