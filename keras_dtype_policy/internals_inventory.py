@@ -130,7 +130,7 @@ KERAS_INTERNALS = (
     _internal(
         _OPTIMIZER,
         "_use_weight_decay",
-        f"{_LP}.optimizer {_LP}.torch_coded_adam {_LP}.torch_step",
+        f"{_LP}.optimizer {_LP}.torch_coded_adam",
         "Which variables the inner optimizer decays.",
     ),
     _internal(
@@ -157,6 +157,13 @@ KERAS_INTERNALS = (
         "_velocities",
         f"{_LP}.torch_coded_adam {_LP}.torch_step",
         "Adam's second moments, read in the fused torch steps.",
+        on_instances=True,
+    ),
+    _internal(
+        "keras.src.optimizers.adam.Adam",
+        "_velocity_hats",
+        f"{_LP}.torch_step",
+        "AMSGrad's largest second moments, for torch's fused Adam.",
         on_instances=True,
     ),
     _internal(
@@ -409,6 +416,11 @@ KERAS_INTERNALS = (
                 "_foreach_zero_",
                 f"{_LP}.torch_coded_adam",
                 "Zero many tensors in one call.",
+            ),
+            (
+                "_fused_adam_",
+                f"{_LP}.torch_step",
+                "torch's one-pass Adam, the general path's Adam and AdamW.",
             ),
             (
                 "_amp_foreach_non_finite_check_and_unscale_",
