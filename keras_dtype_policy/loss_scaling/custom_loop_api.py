@@ -1,21 +1,13 @@
 """The custom-loop API of tf.keras 2 and of Keras, for `LossScaleOptimizer`.
 
-Each step, `apply` (and `stateless_apply`) asks what the loop did since the
-last step:
-
-- the loss was scaled (`scale_loss`, as Keras' trainers do, or
-  `get_scaled_loss`) and the gradients were not unscaled by hand: `apply`
-  unscales them, as Keras' own wrapper does;
-- the gradients were unscaled by hand (`get_unscaled_gradients`): they are
-  multiplied back by the same scale (exact for a power of two), so the step
-  is the same as Keras' own;
-- neither: the loss was never scaled, so the gradients are applied as
-  given, as tf.keras 2 did, with its warning. Keras' own wrapper divides
-  them by the scale (2**15 by default) in this case.
-
-The answer is read in Python, at the point the step runs: eagerly on torch,
-and while tracing on TensorFlow (`tf.function`) and JAX (`jit`), where the
-loop's calls run in the same order within one trace.
+Each step, `apply` (and `stateless_apply`) reads what the loop did since
+the last one: a loss scaled by `scale_loss` or `get_scaled_loss` gets its
+gradients unscaled, as in Keras' own wrapper; gradients unscaled by hand
+(`get_unscaled_gradients`) are multiplied back by the same scale (exact for
+a power of two); gradients of a loss never scaled are applied as given,
+with tf.keras 2's warning (Keras' own wrapper divides them by the scale).
+This is read in Python where the step runs: eagerly on torch, while tracing
+on TensorFlow and JAX, where the loop's calls keep their order.
 """
 
 import warnings
@@ -30,11 +22,10 @@ from keras_dtype_policy.loss_scaling.backend_utils import with_values
 class CustomLoopApi:
     """`get_scaled_loss`, `get_unscaled_gradients`, `minimize` (a mixin)."""
 
-    def _reset_loop_record(self):
-        """Forgets what the loop did (see `_begin_step`)."""
-        self._loss_scaled_by = None
-        self._grads_come_unscaled = False
-        self._unscales_this_step = True
+    # What the loop did since the last step (see `_begin_step`).
+    _loss_scaled_by = None
+    _grads_come_unscaled = False
+    _unscales_this_step = True
 
     def get_scaled_loss(self, loss):
         """Returns the loss multiplied by the current scale.
@@ -48,18 +39,12 @@ class CustomLoopApi:
         """
         self._loss_scaled_by = "get_scaled_loss"
         if callable(loss):
-
-            def scaled_loss():
-                return multiply(loss(), self._current_scale())
-
-            return scaled_loss
+            return lambda: multiply(loss(), self._current_scale())
         return multiply(loss, self._current_scale())
 
     def get_unscaled_gradients(self, grads):
-        """Returns the gradients divided by the current scale.
-
-        The next `apply_gradients` (or `apply`, `stateless_apply`) expects
-        the unscaled gradients this returns.
+        """Returns the gradients divided by the current scale, as the next
+        `apply_gradients` (or `apply`, `stateless_apply`) expects them.
 
         Args:
             grads: A list of gradients; None entries stay None, and
@@ -73,22 +58,15 @@ class CustomLoopApi:
         return [multiply(g, reciprocal) for g in grads]
 
     def scale_loss(self, loss):
-        """Returns the loss multiplied by the current scale.
-
-        Keras' trainers call it on every training step; the next `apply`
-        then unscales the gradients.
-        """
+        """Returns the loss multiplied by the current scale; the next
+        `apply` unscales the gradients (Keras' trainers call it)."""
         self._loss_scaled_by = "scale_loss"
         return super().scale_loss(loss)
 
     def apply(self, grads, trainable_variables=None):
-        """Applies one step of (scaled) gradients.
-
-        Gradients of a loss that `scale_loss` or `get_scaled_loss` scaled
-        are unscaled first; a step whose loss was never scaled applies its
-        gradients as given, with tf.keras' warning. A step with a NaN or Inf
-        gradient is skipped in both cases.
-        """
+        """Applies one step of gradients, unscaled first if the loss was
+        scaled (see the module docstring); a step with a NaN or Inf gradient
+        is skipped."""
         grads = self._begin_step(grads)
         try:
             return super().apply(grads, trainable_variables)
@@ -96,11 +74,8 @@ class CustomLoopApi:
             self._unscales_this_step = True
 
     def minimize(self, loss, var_list, tape=None):
-        """Scales the loss, takes its gradients and applies one step.
-
-        tf.keras 2's `minimize`, on every backend: the loss is scaled with
-        `scale_loss`, differentiated, and the gradients are unscaled and
-        applied (or the step is skipped) as in `apply`.
+        """Scales the loss, takes its gradients and applies one step, as
+        tf.keras 2's `minimize` did, on every backend.
 
         Args:
             loss: A callable with no arguments that returns the loss. On
@@ -128,14 +103,10 @@ class CustomLoopApi:
             self.apply(grads, variables)
 
     def _begin_step(self, grads):
-        """Reads and resets what the loop did since the last step.
-
-        Returns the gradients for the step, and sets whether it unscales.
-        """
-        scaled_by = self._loss_scaled_by
-        unscaled = self._grads_come_unscaled
-        self._loss_scaled_by = None
-        self._grads_come_unscaled = False
+        """Reads and resets what the loop did since the last step; returns
+        the gradients for the step, and sets whether it unscales them."""
+        scaled_by, unscaled = self._loss_scaled_by, self._grads_come_unscaled
+        self._loss_scaled_by, self._grads_come_unscaled = None, False
         _warn_about_scaling(scaled_by, unscaled)
         self._unscales_this_step = scaled_by is not None or unscaled
         if not unscaled:
@@ -158,12 +129,8 @@ def multiply(value, factor):
 
 
 def _warn_about_scaling(scaled_by, unscaled):
-    """tf.keras' warnings for a custom loop that forgot a step.
-
-    `scaled_by` names the method that scaled the loss, or is None.
-    Gradients of a loss that `scale_loss` (Keras' spelling) scaled need no
-    unscaling by hand: `apply` unscales them, without warning.
-    """
+    """tf.keras' warnings for a custom loop that forgot a step, unless the
+    loss was scaled by `scale_loss` (Keras' way: `apply` unscales)."""
     if scaled_by == "scale_loss" or (scaled_by and unscaled):
         return
     example = (

@@ -19,29 +19,16 @@ _NOT_HYPERPARAMETERS = frozenset(("self", "name", "kwargs", "args"))
 
 
 def hyperparameter_names(optimizer):
-    """Returns the names of `optimizer`'s hyperparameters, sorted.
-
-    Args:
-        optimizer: A `keras.optimizers.Optimizer`.
-
-    Returns:
-        A tuple of attribute names, such as `("beta_1", "beta_2", ...)`.
-    """
+    """Returns the names of the hyperparameters of the optimizer
+    `optimizer`, sorted: a tuple such as `("beta_1", "beta_2", ...)`."""
     state = vars(optimizer)
-    names = []
-    for name in _constructor_arguments(type(optimizer)):
-        if name not in state:
-            continue
-        value = state[name]
-        if isinstance(value, (bool, str)):
-            continue
-        names.append(name)
-    return tuple(sorted(names))
-
-
-def is_hyperparameter(optimizer, name):
-    """Returns True if `name` is a hyperparameter of `optimizer`."""
-    return name in hyperparameter_names(optimizer)
+    return tuple(
+        sorted(
+            name
+            for name in _constructor_arguments(type(optimizer))
+            if name in state and not isinstance(state[name], (bool, str))
+        )
+    )
 
 
 @functools.cache
@@ -49,22 +36,18 @@ def _constructor_arguments(optimizer_class):
     """The keyword arguments of every optimizer constructor in the MRO."""
     names = set()
     for klass in optimizer_class.__mro__:
-        if not issubclass(klass, keras.optimizers.Optimizer):
-            continue
         init = klass.__dict__.get("__init__")
-        if init is None:
+        if init is None or not issubclass(klass, keras.optimizers.Optimizer):
             continue
         try:
-            parameters = inspect.signature(init).parameters
+            parameters = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
             continue
-        for parameter in parameters.values():
-            if parameter.kind in (
-                parameter.VAR_POSITIONAL,
-                parameter.VAR_KEYWORD,
-            ):
-                continue
-            names.add(parameter.name)
+        names.update(
+            p.name
+            for p in parameters
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
     return frozenset(names - _NOT_HYPERPARAMETERS)
 
 
@@ -96,10 +79,9 @@ class InnerSetting:
 class ForwardsHyperparameters:
     """Passes a wrapper's hyperparameters through to `inner_optimizer`.
 
-    The wrapper is transparent to the inner optimizer's hyperparameters,
-    both ways, as tf.keras 2's was: `opt.beta_1 = 0.7` sets the inner
-    optimizer's `beta_1`, the value its next step uses. A mixin; the class
-    names the attributes it keeps for itself in `_wrapper_names`.
+    Both ways, as tf.keras 2's wrapper did: `opt.beta_1 = 0.7` sets the
+    inner optimizer's `beta_1`, the value its next step uses. A mixin; the
+    class names the attributes it keeps for itself in `_wrapper_names`.
     """
 
     _wrapper_names: frozenset[str] = frozenset()
@@ -113,11 +95,9 @@ class ForwardsHyperparameters:
     clipvalue = InnerSetting()
 
     def _settings_owner(self):
-        """The inner optimizer, or None while the wrapper reads its own.
-
-        Keras' base class sets and reads these settings on the wrapper in
-        `__init__` (before there is an inner optimizer) and in `build`.
-        """
+        """The inner optimizer, or None while the wrapper reads its own
+        (Keras' base class does in `__init__`, before there is an inner
+        optimizer, and in `build`)."""
         state = self.__dict__
         if state.get("_reading_own_settings"):
             return None
@@ -133,7 +113,7 @@ class ForwardsHyperparameters:
             return None
         if any(name in klass.__dict__ for klass in type(self).__mro__):
             return None
-        if not is_hyperparameter(inner, name):
+        if name not in hyperparameter_names(inner):
             return None
         return inner
 

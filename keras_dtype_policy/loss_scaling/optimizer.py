@@ -103,7 +103,6 @@ class LossScaleOptimizer(
         state_arrival.teach_tf_keras_layout(inner_optimizer)
         self._make_records()
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
-        self._reset_loop_record()
         for key in _EXTRA_DEFAULTS:
             setattr(self, key, getattr(settings, key))
 
@@ -115,8 +114,7 @@ class LossScaleOptimizer(
             super().build(var_list)
         finally:
             self._reading_own_settings = False
-        # Not in Keras' layout: each is saved in a store of its own (see
-        # `saved_layouts.RECORD_STORES`).
+        # Keras' own wrapper lacks these: see `saved_layouts.RECORD_STORES`.
         count = len(self._trainable_variables)
         for attribute, name, shape in (
             ("_skipped_step_counter", "skipped_steps", ()),
@@ -136,24 +134,18 @@ class LossScaleOptimizer(
 
     @property
     def loss_scale(self) -> float:
-        """The current loss scale, a Python float that also has `.numpy()`.
-
-        As tf.keras' tensor did, it converts to a tensor with
-        `keras.ops.convert_to_tensor`.
-        """
-        if not self.built:
-            return _Reading(self.initial_scale)
-        return _Reading(float(self.dynamic_scale.numpy()))
+        """The current loss scale, a Python float that also has `.numpy()`
+        (and converts to a tensor, as tf.keras' tensor did)."""
+        scale = self.dynamic_scale.numpy() if self.built else self.initial_scale
+        return _Reading(float(scale))
 
     @property
     def dynamic_counter(self) -> int | None:
         """Finite steps since the scale last changed (or a step was
-        skipped), as a Python int; None for a fixed scale, as in tf.keras."""
+        skipped), as an int; None for a fixed scale, as in tf.keras."""
         if not self.dynamic:
             return None
-        if not self.built:
-            return 0
-        return int(self.step_counter.numpy())
+        return int(self.step_counter.numpy()) if self.built else 0
 
     @property
     def dynamic_growth_steps(self) -> int | None:
@@ -170,45 +162,34 @@ class LossScaleOptimizer(
     @property
     def skipped_steps(self) -> int:
         """The number of steps skipped for non-finite gradients, as an int."""
-        if not self.built:
-            return 0
-        return int(self._skipped_step_counter.numpy())
+        return int(self._skipped_step_counter.numpy()) if self.built else 0
 
     @property
     def nonfinite_steps_in_a_row(self) -> int:
-        """Steps skipped in a row up to the last one, as an int: 0 after a
-        finite step. The scale is lowered once this reaches `hysteresis`."""
-        if not self.built:
-            return 0
-        return int(self._nonfinite_streak.numpy())
+        """Steps skipped in a row up to the last one (0 after a finite
+        step), as an int; the scale shrinks once it reaches `hysteresis`."""
+        return int(self._nonfinite_streak.numpy()) if self.built else 0
 
     @property
     def nonfinite_gradients(self) -> list[str]:
         """The paths of the variables whose gradients were not finite at
-        the last skipped step, in the order of the variables; `[]` before
-        any step was skipped.
-
-        Example: `['dense_3/kernel', 'dense_3/bias']`.
-        """
-        if not self.built:
-            return []
-        return list(self._nonzero_by_path(self._last_nonfinite_mask))
+        the last skipped step (`[]` before any), such as
+        `['dense_3/kernel', 'dense_3/bias']`."""
+        return list(self._nonzero_by_path("_last_nonfinite_mask"))
 
     @property
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """For each variable whose gradient was ever non-finite at a
-        skipped step, its path and the number of such steps, as a dict.
+        skipped step, its path and the number of such steps (saved with
+        the optimizer's state)."""
+        return self._nonzero_by_path("_nonfinite_counts")
 
-        Counted since the optimizer was built, and saved with its state.
-        """
+    def _nonzero_by_path(self, name):
+        # `{path: entry}` for each trainable variable whose entry in the int
+        # vector at attribute `name` is not 0; `{}` before the build.
         if not self.built:
             return {}
-        return self._nonzero_by_path(self._nonfinite_counts)
-
-    def _nonzero_by_path(self, vector):
-        # `{path: entry}` for each trainable variable whose entry in the
-        # int vector `vector` (one entry per variable) is not 0.
-        entries = keras.ops.convert_to_numpy(vector)
+        entries = keras.ops.convert_to_numpy(getattr(self, name))
         return {
             variable.path: int(entry)
             for variable, entry in zip(
@@ -229,50 +210,41 @@ class LossScaleOptimizer(
                 "built. Build it with `optimizer.build(trainable_variables)`."
             )
         grads = self._begin_step(grads)
-        try:
-            return self._stateless_step(
-                optimizer_variables, grads, trainable_variables
-            )
-        finally:
-            self._unscales_this_step = True
-
-    def _stateless_step(self, optimizer_variables, grads, trainable_variables):
         # As in Keras' own wrapper: in the scope every variable reads its
         # given value, and what the step assigns is read back from it.
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            inner_values = [
-                scope.get_current_value(v)
-                for v in self.inner_optimizer.variables
-            ]
-            finite = self.check_finite(grads)
-            outcome = ops.cond(
-                finite,
-                lambda: self._stateless_apply_branch(
-                    grads, inner_values, trainable_variables
-                ),
-                lambda: self._stateless_skip_branch(
-                    grads, inner_values, trainable_variables
-                ),
-            )
-            self._nonfinite_counts.assign(outcome.nonfinite_counts)
-            self._last_nonfinite_mask.assign(outcome.last_nonfinite_mask)
-            self._take_scale_step(finite)
-            skipped = ops.convert_to_tensor(self._skipped_step_counter)
-            self._skipped_step_counter.assign(
-                ops.where(
-                    finite, skipped, ops.add(skipped, ops.ones_like(skipped))
+        try:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                inner = [
+                    scope.get_current_value(v)
+                    for v in self.inner_optimizer.variables
+                ]
+                finite = self.check_finite(grads)
+                outcome = ops.cond(
+                    finite,
+                    lambda: self._stateless_apply_branch(
+                        grads, inner, trainable_variables
+                    ),
+                    lambda: self._stateless_skip_branch(
+                        grads, inner, trainable_variables
+                    ),
                 )
-            )
+                self._nonfinite_counts.assign(outcome.nonfinite_counts)
+                self._last_nonfinite_mask.assign(outcome.last_nonfinite_mask)
+                self._take_scale_step(finite)
+                skipped = ops.convert_to_tensor(self._skipped_step_counter)
+                self._skipped_step_counter.assign(
+                    ops.where(finite, skipped, ops.add(skipped, 1))
+                )
+        finally:
+            self._unscales_this_step = True
         own_values = [scope.get_current_value(v) for v in self._variables]
         return list(outcome.trainables), own_values + list(outcome.inner)
 
     def _stateless_apply_branch(self, grads, inner_values, trainables):
         # Unscaled inside the branch, where XLA fuses the multiply into the
         # inner optimizer's update.
-        unscaled = self._unscale(
-            grads, self.dynamic_scale, self._trainable_variables
-        )
+        unscaled = self._unscale(grads, self._trainable_variables)
         new_trainables, new_inner = self.inner_optimizer.stateless_apply(
             inner_values, unscaled, trainables
         )
@@ -315,54 +287,37 @@ class LossScaleOptimizer(
     def _tf_apply(self, grads, trainable_variables=None):
         step = backend_dispatch.module_for("low_precision_step")
         if tf_replicas.outside_strategies() and not step.has_sparse(grads):
-            # One XLA computation: the check, the unscale, the inner step
-            # and the scale's update (Keras runs TensorFlow op by op on a
-            # CPU).
-            step.compiled_apply(
-                self,
-                grads,
-                trainable_variables or self._trainable_variables,
-                step=self._common_apply,
-            )
+            # One XLA computation for the whole step (Keras runs TensorFlow
+            # op by op on a CPU).
+            variables = trainable_variables or self._trainable_variables
+            step.compiled_apply(self, grads, variables, step=self._common_apply)
             return
         # Under tf.distribute, all replicas agree on skipping a step.
         tf_replicas.apply(self, grads, trainable_variables)
 
     def check_finite(self, grads: list[Tensor | None]) -> Tensor:
-        """Returns a boolean scalar tensor: True if all `grads` are finite.
-
-        One fused check over all gradients (see `gradient_check`).
-        """
+        """Returns a boolean scalar tensor: True if all `grads` are finite
+        (one fused check, see `gradient_check`)."""
         return gradient_check.all_finite(grads)
 
     def _common_apply(self, grads, trainable_variables=None, finite=None):
-        if (
-            finite is None
-            and backend_dispatch.is_torch()
-            and not self._skips_unscaling()
-        ):
-            self._fused_apply(grads, trainable_variables)
-            return
         if finite is None:
+            if backend_dispatch.is_torch() and not self._skips_unscaling():
+                self._fused_apply(grads, trainable_variables)
+                return
             finite = self.check_finite(grads)
-        if not is_concrete(finite):
-            ops.cond(
-                finite,
-                lambda: self._stateful_handle_finite_grads(
-                    grads, trainable_variables
-                ),
-                lambda: self._stateful_handle_non_finite_grads(
-                    grads, trainable_variables
-                ),
-            )
-        elif bool(finite):
-            self._stateful_handle_finite_grads(grads, trainable_variables)
+        args = (grads, trainable_variables)
+        apply_step = self._stateful_handle_finite_grads
+        skip_step = self._stateful_handle_non_finite_grads
+        if is_concrete(finite):
+            (apply_step if bool(finite) else skip_step)(*args)
         else:
-            self._stateful_handle_non_finite_grads(grads, trainable_variables)
+            ops.cond(
+                finite, lambda: apply_step(*args), lambda: skip_step(*args)
+            )
 
     def _fused_apply(self, grads, trainable_variables):
-        # One fused kernel checks and unscales every gradient (in copies:
-        # the caller's gradients are left as they are).
+        # One fused kernel checks and unscales every gradient, in copies.
         variables = trainable_variables or self._trainable_variables
         checked = gradient_check.check_and_unscale(
             grads, self.dynamic_scale, self._kept(variables)
@@ -377,7 +332,7 @@ class LossScaleOptimizer(
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
         variables = trainable_variables or self._trainable_variables
-        unscaled = self._unscale(grads, self.dynamic_scale, variables)
+        unscaled = self._unscale(grads, variables)
         self._apply_unscaled(unscaled, trainable_variables)
 
     def _apply_unscaled(self, grads, trainable_variables):
@@ -389,9 +344,7 @@ class LossScaleOptimizer(
     def _stateful_handle_non_finite_grads(
         self, grads=None, trainable_variables=None
     ):
-        # Skip the step, move the scale, and record which gradients were
-        # not finite (unless called without them, as `tf_replicas` does
-        # across replicas).
+        # `tf_replicas` calls it without gradients, across replicas.
         self._take_scale_step(False)
         self._skipped_step_counter.assign_add(1)
         if grads is not None:
@@ -402,52 +355,42 @@ class LossScaleOptimizer(
     def _take_scale_step(self, finite):
         """Assigns the scale, its counter and the streak after one step."""
         rule = scale_rule.ScaleRule(
-            dynamic=self.dynamic,
             growth_steps=self.dynamic_growth_steps,
-            hysteresis=self.hysteresis,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
+            **{key: getattr(self, key) for key in _EXTRA_DEFAULTS},
         )
-        state = rule.next_state(
-            scale_rule.ScaleState(
-                scale=self.dynamic_scale,
-                counter=self.step_counter,
-                streak=self._nonfinite_streak,
-            ),
-            finite,
+        old = scale_rule.ScaleState(
+            self.dynamic_scale, self.step_counter, self._nonfinite_streak
         )
+        state = rule.next_state(old, finite)
         if self.dynamic:
             self.dynamic_scale.assign(state.scale)
         self.step_counter.assign(state.counter)
         self._nonfinite_streak.assign(state.streak)
 
-    def _unscale(self, grads, scale, variables):
-        if self._skips_unscaling():
-            return [_as_tensor(g) for g in grads]
-        return gradient_check.unscale(grads, scale, self._kept(variables))
+    def _unscale(self, grads, variables):
+        if not self._skips_unscaling():
+            kept = self._kept(variables)
+            return gradient_check.unscale(grads, self.dynamic_scale, kept)
+        # As unscaling would give them: tensors (None and sparse as is).
+        return [
+            g if g is None or is_indexed_slices(g) else ops.convert_to_tensor(g)
+            for g in grads
+        ]
 
     def _skips_unscaling(self):
         # A step whose loss was never scaled (see `_begin_step`), or a fixed
-        # scale of 1 (a wrapper on a step that needs no scaling): nothing to
-        # divide.
+        # scale of 1: nothing to divide.
         if not self._unscales_this_step:
             return True
         return not self.dynamic and self.initial_scale == 1.0
 
     def _kept(self, variables):
-        # The gradients Keras never unscales: those that overwrite their
-        # variable.
+        # Keras never unscales the gradients that overwrite their variable.
         return [self._overwrite_variable_with_gradient(v) for v in variables]
 
     def get_config(self) -> dict[str, Any]:
-        """Returns Keras' four keys, and each setting of ours not default.
-
-        With the defaults, the config is exactly the one Keras' own
-        `LossScaleOptimizer` writes: `name`, `inner_optimizer`,
-        `initial_scale` and `dynamic_growth_steps`.
-        """
+        """Returns Keras' four keys, and each setting of ours not default
+        (with the defaults, exactly the config of Keras' own wrapper)."""
         config = super().get_config()
         config["dynamic_growth_steps"] = self._growth_steps
         for key, default in _EXTRA_DEFAULTS.items():
@@ -462,17 +405,7 @@ class LossScaleOptimizer(
         config: dict[str, Any],
         custom_objects: dict[str, Any] | None = None,
     ) -> "LossScaleOptimizer":
-        """Builds the optimizer from its config, or from a tf.keras 2 one.
-
-        Args:
-            config: The output of `get_config`, or the config of a tf.keras 2
-                `LossScaleOptimizer`: `inner_optimizer`, `dynamic`,
-                `initial_scale` and `dynamic_growth_steps`.
-            custom_objects: Optional custom objects for the inner optimizer.
-
-        Returns:
-            A `LossScaleOptimizer`.
-        """
+        """Builds the optimizer from its config, or from a tf.keras 2 one."""
         config = tf_keras_configs.from_tf_2_3(config)
         if not config.get("dynamic", True):
             # tf.keras 2 saved None here for a fixed scale, Keras a number.
@@ -486,15 +419,12 @@ class LossScaleOptimizer(
 # Names the wrapper sets on itself (its settings, its variables), never
 # passed to the inner optimizer even if it has a setting of the same name.
 LossScaleOptimizer._wrapper_names = frozenset(
-    (
-        *inspect.signature(LossScaleOptimizer).parameters,
-        "step_counter",
-        "dynamic_scale",
-    )
-)
+    inspect.signature(LossScaleOptimizer).parameters
+).union(("step_counter", "dynamic_scale"))
 
 
-# The settings Keras' own LossScaleOptimizer lacks, with their defaults.
+# The settings Keras' own LossScaleOptimizer lacks, with their defaults
+# (named as the fields of `scale_rule.ScaleRule`).
 _EXTRA_DEFAULTS = {
     name: inspect.signature(LossScaleOptimizer).parameters[name].default
     for name in (
@@ -509,11 +439,8 @@ _EXTRA_DEFAULTS = {
 
 
 def release_inner_optimizer(optimizer):
-    """Lets `optimizer` be wrapped again, as `Model.compile` does.
-
-    tf.keras refused to wrap one optimizer twice; Keras' compile wraps a
-    model's optimizer anew at each `compile`, and so does this package's.
-    """
+    """Lets `optimizer` be wrapped again, as `Model.compile` does anew at
+    each `compile` (tf.keras refused to wrap one optimizer twice)."""
     optimizer.__dict__.pop("_is_wrapped_by_loss_scale_optimizer", None)
 
 
@@ -524,23 +451,10 @@ class _Reading(float):
         return np.float32(self)
 
 
-def _as_tensor(value):
-    """`value` as a tensor, as unscaling would give it; None and sparse
-    values stay as they are."""
-    if value is None or is_indexed_slices(value):
-        return value
-    return ops.convert_to_tensor(value)
-
-
 class _StatelessOutcome(NamedTuple):
-    """What either branch of the stateless step gives back.
-
-    Attributes:
-        trainables: The new values of the trainable variables.
-        inner: The new values of the inner optimizer's variables.
-        nonfinite_counts: The new `_nonfinite_counts`.
-        last_nonfinite_mask: The new `_last_nonfinite_mask`.
-    """
+    """What either branch of the stateless step gives back: the new values
+    of the trainable variables, of the inner optimizer's variables, and of
+    the two non-finite records."""
 
     trainables: list
     inner: list

@@ -1,11 +1,10 @@
 """The layouts a `LossScaleOptimizer`'s state is saved and loaded in.
 
 The optimizer's own store keeps the layout of Keras' own
-`LossScaleOptimizer`. The state Keras' wrapper lacks (the count of skipped
-steps, the count of skipped steps in a row, and which gradients were not
-finite) is saved in stores of its own below the optimizer's, under the
-names of `RECORD_STORES`, so that Keras alone can read the file. Loading
-also accepts the layouts of earlier releases and of tf.keras 2 files.
+`LossScaleOptimizer`, so that Keras alone can read the file; the state
+Keras' wrapper lacks is saved in stores of its own below it (see
+`RECORD_STORES`). Loading also accepts the layouts of earlier releases and
+of tf.keras 2 files.
 """
 
 import keras
@@ -26,9 +25,8 @@ RECORD_STORES = {
 
 
 class _Records:
-    """The optimizer's saved records, out of Keras' sight (not a list or a
-    dict, which Keras would walk): `__dir__` shows them under their store
-    names only."""
+    """The saved records, out of Keras' sight (Keras would walk a list or a
+    dict): `__dir__` shows them under their store names only."""
 
     def __init__(self, records):
         self.by_store = records
@@ -56,26 +54,18 @@ class SavedLayouts:
                 self._write_extra(name, value)
 
     def save_own_variables(self, store):
-        """Saves the state in the layout of Keras' own `LossScaleOptimizer`.
-
-        That is every variable but those Keras' wrapper lacks, which go to
-        the stores of their own (see `RECORD_STORES`).
-        """
-        for i, variable in enumerate(self._keras_layout()):
+        """Saves the state in the layout of Keras' own `LossScaleOptimizer`
+        (the rest goes to the stores of `RECORD_STORES`)."""
+        for i, variable in enumerate(self._layout()):
             store[str(i)] = variable.numpy()
 
     def load_own_variables(self, store):
-        """Loads this optimizer's state, from any layout it was saved in.
+        """Loads this optimizer's state, from any layout it was saved in
+        (see `_assign_saved`), or keeps it for the build.
 
-        Accepted: the layout `save_own_variables` writes (the records, if
-        saved, come from their own stores); all variables, as earlier
-        releases saved them; the inner optimizer's state alone (Keras 3 or
-        tf.keras 2 layout), after which the scale starts from
-        `initial_scale`. An optimizer not built yet keeps the values until
-        it is. Values that fit none of these layouts are skipped with
-        Keras' warning, and nothing is assigned. Values that make no sense
-        (a negative count, a scale or learning rate that is not finite)
-        are refused with a `ValueError` naming the variable.
+        Values that fit no layout are skipped with Keras' warning; values
+        that make no sense (a negative count, a scale or learning rate that
+        is not finite) raise a `ValueError` naming the variable.
         """
         values = optimizer_state.store_values(store)
         if not values:
@@ -102,60 +92,40 @@ class SavedLayouts:
     def _keep_pending_values(self, values):
         """Keeps values for the build; sets the inner step count now."""
         step = _saved_inner_step(values)
+        iterations = self.inner_optimizer.iterations
         at_once = []
         if step is not None:
-            at_once = [
-                optimizer_state.Assignment(
-                    self.inner_optimizer.iterations, step
-                )
-            ]
+            at_once.append(optimizer_state.Assignment(iterations, step))
         optimizer_state.keep_pending_values(self, values, set_at_once=at_once)
 
-    def _keras_layout(self):
-        """This optimizer's variables but those Keras' own lacks."""
-        extra = self._extra_variables()
-        return [v for v in self.variables if not _is_among(v, extra)]
-
-    def _earlier_layout(self):
-        """The variables earlier releases saved: Keras' and the
-        skipped-step count."""
-        extra = self._extra_variables()[1:]
-        return [v for v in self.variables if not _is_among(v, extra)]
-
-    def _extra_variables(self):
-        """The variables Keras' own `LossScaleOptimizer` lacks, the
-        skipped-step count first."""
+    def _layout(self, records_kept=0):
+        """This optimizer's variables but its records (`RECORD_STORES`)
+        from the `records_kept`-th on: 0 gives Keras' layout, 1 that of
+        earlier releases (Keras' and the skipped-step count)."""
         found = (getattr(self, name, None) for name in RECORD_STORES.values())
-        return [v for v in found if v is not None]
+        extra = [v for v in found if v is not None][records_kept:]
+        return [v for v in self.variables if not any(v is e for e in extra)]
 
     def _assign_saved(self, values):
         """Assigns `values` if they fit a layout; returns whether they did.
 
-        The layouts: all variables (as Keras' legacy .h5 format saves
-        them), those of earlier releases (Keras' and the skipped-step
-        count), Keras' (all but the state its own wrapper lacks), then the
-        inner optimizer's own (see
-        `optimizer_state.assign_optimizer_values`). Shapes, kinds of dtype
-        and, where saved, names are checked before anything is assigned.
+        The layouts: all variables (as Keras' .h5 format saves them), those
+        of earlier releases, Keras', then the inner optimizer's own, in the
+        Keras 3 or tf.keras 2 layout (the scale then restarts). Shapes,
+        kinds of dtype and any saved names are checked before assigning.
         """
         names = optimizer_state.saved_names(values)
         values = [np.asarray(v) for v in values]
-        roles = dict(
-            zip(
-                map(id, self.variables),
-                optimizer_state.roles(self),
-                strict=True,
-            )
-        )
-        layouts = [
-            (targets, [roles[id(v)] for v in targets])
-            for targets in (
-                self.variables,
-                self._earlier_layout(),
-                self._keras_layout(),
-            )
-        ]
-        for targets, target_roles in layouts:
+        roles = optimizer_state.roles(self)
+        role_of = {
+            id(v): role for v, role in zip(self.variables, roles, strict=True)
+        }
+        for targets in (
+            self.variables,
+            self._layout(records_kept=1),
+            self._layout(),
+        ):
+            target_roles = [role_of[id(v)] for v in targets]
             if optimizer_state.fits(targets, values, names, target_roles):
                 optimizer_values.check_saved(targets, values)
                 for variable, value in zip(targets, values, strict=True):
@@ -194,19 +164,13 @@ class SavedLayouts:
             optimizer_values.check_saved([variable], [value])
             variable.assign(value)
 
-    def _saved_record(self, name):
-        """The record saved in store `name`, or None: Keras' saving walks
-        the optimizer's attributes (see `__dir__`) and finds them here."""
-        if name not in RECORD_STORES:
-            return None
-        records = self.__dict__.get("_records")
-        return None if records is None else records.by_store[name]
-
     def __getattr__(self, name):
-        record = self._saved_record(name)
-        if record is None:
+        # Keras' saving walks the optimizer's attributes (see `__dir__`)
+        # and finds the records here.
+        records = self.__dict__.get("_records")
+        if name not in RECORD_STORES or records is None:
             return super().__getattr__(name)
-        return record
+        return records.by_store[name]
 
     def __dir__(self):
         names = set(super().__dir__())
@@ -218,13 +182,11 @@ class SavedLayouts:
 def _saved_inner_step(values):
     """Returns the inner optimizer's step count among saved values, or None.
 
-    Saved by a loss-scale optimizer, the values start with its own step
-    count and learning rate, its counter and scale, then (all but in
-    Keras' layout) its skipped-step count, then (in the layout of all its
-    variables) its count of skipped steps in a row and two int vectors
-    (the attribution of skipped steps), then the inner optimizer's step
-    count and learning rate. A tf.keras 2 file holds the inner state
-    alone: its step count comes first, followed by slots.
+    A loss-scale optimizer saves its step count, learning rate, counter
+    and scale, then (but in Keras' layout) its skipped-step count, then
+    (in the layout of all its variables) its streak and two int vectors,
+    then the inner optimizer's step count and learning rate. A tf.keras 2
+    file holds the inner state alone, its step count first.
     """
     values = [np.asarray(v) for v in values]
 
@@ -253,20 +215,11 @@ def _saved_inner_step(values):
     return values[at] if scalar(at, "iu") else None
 
 
-def _is_among(variable, variables):
-    return any(variable is v for v in variables)
-
-
 class SavedCounter(KerasSaveable):
-    """A counter saved in a store of its own, beside its owner's.
-
-    A loss-scale optimizer's count of skipped steps, which Keras' own
-    `LossScaleOptimizer` does not have, is saved here (in the
-    `skipped_steps_record` store below the optimizer's), so the optimizer's
-    own store keeps exactly Keras' layout and Keras alone can read it.
+    """A record saved in a store of its own, beside its owner's.
 
     Args:
-        read: A function returning the counter's value, or None when the
+        read: A function returning the record's value, or None when the
             owner is not built (nothing is saved then).
         write: A function taking the saved value.
     """
