@@ -277,12 +277,17 @@ def test_applies_gradients(name):
 # Rows whose `.weights.h5` round trip runs only in the full runs (`tox -e
 # full-jax`, ...), to keep the default run within CI's time: the same
 # code paths as their `.keras` round trip, which every run covers, and
-# other rows cover `.weights.h5` with each wrapper class.
+# other rows cover `.weights.h5` with each wrapper class (dynamic loss
+# scaling, stochastic rounding, 8-bit state, and the two nested).
 SECOND_FORMAT_IN_FULL_RUNS = {
     "low_precision_nearest",
     "low_precision_4bit",
+    "low_precision_kahan",
     "kahan_float16",
     "stochastic_float16",
+    "loss_scale_fixed",
+    "experimental_loss_scale",
+    "mixed_precision_loss_scale",
 }
 
 

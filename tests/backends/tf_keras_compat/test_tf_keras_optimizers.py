@@ -169,7 +169,29 @@ def assert_first_fit_works(name, suffix, states):
 FIT_FORMAT = {"bare": ".h5", "fixed": ".h5", "dynamic": ".keras"}
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def fixture_cases():
+    """Every fixture; the default runs take one wrapping an optimizer.
+
+    The wrapping turns with the optimizer's place in the sorted list, so
+    bare, dynamic and fixed each run for about a third of the optimizers
+    and each format trains; the other two of each optimizer are marked
+    slow (`tox -e full-<backend>` runs all 42).
+    """
+    wrappings = ("bare", "dynamic", "fixed")
+    optimizers = sorted(
+        {MANIFEST["fixtures"][n]["optimizer"] for n in FIXTURE_NAMES}
+    )
+    cases = []
+    for name in FIXTURE_NAMES:
+        fixture = MANIFEST["fixtures"][name]
+        turn = optimizers.index(fixture["optimizer"]) % len(wrappings)
+        slow = fixture["wrapping"] != wrappings[turn]
+        marks = (pytest.mark.slow,) if slow else ()
+        cases.append(pytest.param(name, marks=marks, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("name", fixture_cases())
 def test_state_comes_back_exactly_and_trains_on(name, states):
     for suffix in (".h5", ".keras"):
         assert_loads_exactly(name, suffix, states)
