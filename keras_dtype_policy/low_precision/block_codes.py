@@ -21,7 +21,9 @@ nearer one (`stochastic=False`) or at random, with the probability that
 makes the stored level equal to the value on average (stochastic
 rounding, in the value's units, not the code's). Infinities and NaN take
 no part in a block's scale: they are stored as the largest level of their
-sign (NaN as zero), so one bad element never spreads over its block.
+sign (NaN as zero), so one bad element never spreads over its block. A
+block of a tiny scale (below `TINY_SCALE`) is coded as if its values were
+`LIFT` times larger, which is exact, so float32 never overflows on it.
 
 All of it is `keras.ops`, so it runs eagerly and under `jit` on every
 backend. Codes are int8: signed codes as they are, unsigned ones shifted
@@ -85,6 +87,15 @@ BLOCKS = {8: 256, 4: 128}
 _MAGIC = 12582912.0
 _MAGIC_BITS = 0x4B400000
 
+# A block whose scale is below `TINY_SCALE` is coded at `LIFT` times its
+# values (exact: a power of two), then its levels are brought back by
+# `DROP`: `grid / scale` overflows float32 for a scale below `grid` /
+# 3.4e38 (about 1.3e-29 for the 8-bit unsigned code), and `scale / grid`
+# loses bits as a subnormal below `grid` * 1.2e-38.
+TINY_SCALE = 2.0**-64
+LIFT = 2.0**64
+DROP = 2.0**-64
+
 
 def code_for(bits, signed):
     """Returns the `Code` of `bits`-bit state, signed or not."""
@@ -145,8 +156,12 @@ def quantize(values, code, seed=None):
     # `k**power` (signed) or `(k + 1)**power` (unsigned). An infinity lands
     # on the top level (the minimum), NaN on zero.
     grid = float(code.levels**code.power)
-    inverse = ops.divide(grid, ops.where(ops.greater(scales, 0.0), scales, 1.0))
-    position = ops.minimum(ops.multiply(magnitude, inverse[:, None]), grid)
+    lift = ops.where(ops.less(scales, TINY_SCALE), LIFT, 1.0)[:, None]
+    lifted = ops.multiply(scales[:, None], lift)
+    inverse = ops.divide(grid, ops.where(ops.greater(lifted, 0.0), lifted, 1.0))
+    # No `minimum(position, grid)`: finite values exceed the grid by a
+    # rounding at most, an infinity gets the top index either way.
+    position = ops.multiply(ops.multiply(magnitude, lift), inverse)
     position = ops.where(ops.isnan(position), 0.0, position)
     index = _level_below(position, code)
     low = _grid_level(index, code)
@@ -196,9 +211,11 @@ def dequantize(codes, scales, code):
         level = ops.multiply(index, ops.abs(index))
     else:
         level = _grid_level(index, code)
-    grid = float(code.levels**code.power)
-    unit = ops.divide(ops.cast(scales, "float32"), grid)
-    level = ops.multiply(level, unit[:, None])
+    scales = ops.cast(scales, "float32")[:, None]
+    tiny = ops.less(scales, TINY_SCALE)
+    lifted = ops.multiply(scales, ops.where(tiny, LIFT, 1.0))
+    unit = ops.divide(lifted, float(code.levels**code.power))
+    level = ops.multiply(ops.multiply(level, unit), ops.where(tiny, DROP, 1.0))
     return ops.reshape(level, (-1,))
 
 

@@ -16,6 +16,7 @@ import typing
 
 import torch
 
+from keras_dtype_policy.low_precision import block_codes
 from keras_dtype_policy.low_precision import random_bits
 
 # The high 16 bits of a float32's bit pattern are its bfloat16 value.
@@ -102,8 +103,12 @@ def dequantized(codes, scales, code):
         level = index * torch.abs(index)
     else:
         level = _fourth_power(index + 1.0)
-    grid = float(code.levels**code.power)
-    return level.view(-1, code.block) * (scales / grid)[:, None]
+    scales = scales[:, None]
+    tiny = scales < block_codes.TINY_SCALE
+    lifted = scales * torch.where(tiny, block_codes.LIFT, 1.0)
+    unit = lifted / float(code.levels**code.power)
+    level = level.view(-1, code.block) * unit
+    return level * torch.where(tiny, block_codes.DROP, 1.0)
 
 
 def quantized(rows, noise, code):
@@ -127,7 +132,11 @@ def quantized(rows, noise, code):
     # + 0.0: a block of no positive value has the scale 0.0, not -0.0.
     largest = torch.amax(relative, 1, keepdim=True) + 0.0
     grid = float(code.levels**code.power)
-    position = relative * (grid / torch.where(largest > 0.0, largest, 1.0))
+    # A tiny block is coded `LIFT` times larger (`block_codes.TINY_SCALE`).
+    lift = torch.where(largest < block_codes.TINY_SCALE, block_codes.LIFT, 1.0)
+    lifted = largest * lift
+    inverse = grid / torch.where(lifted > 0.0, lifted, 1.0)
+    position = (relative * lift) * inverse
     # No `minimum(position, grid)`: finite values exceed the grid by a
     # rounding at most, and the index's clip gives the same code.
     index = torch.sqrt(position)

@@ -46,7 +46,8 @@ def codes_path(request, monkeypatch):
 
 def coded_values(code, blocks, rng):
     """Values of every kind a block meets: scales far apart, zeros, a
-    block of zeros, negatives in an unsigned slot, infinities, NaN."""
+    block of zeros, a block of a tiny scale, negatives in an unsigned
+    slot, infinities, NaN."""
     values = rng.normal(size=(blocks, code.block)).astype("float32")
     values *= rng.lognormal(0.0, 5.0, size=(blocks, 1)).astype("float32")
     if not code.signed:
@@ -54,6 +55,8 @@ def coded_values(code, blocks, rng):
         values[2, 5] = -values[2, 5]
     values[0] = 0.0
     values[1, ::3] = 0.0
+    # A scale of 1e-30: `block_codes.TINY_SCALE`'s case.
+    values[6] *= np.float32(1e-30) / np.abs(values[6]).max()
     values[3, 7] = np.inf
     values[4, 9] = np.nan
     values[5, 11] = -np.inf
@@ -383,7 +386,7 @@ def test_adam_update_compiled_and_eager_agree_bit_for_bit():
 
     eager = step(weights, grads, m, v)
     compiled = torch.compile(step)(weights, grads, m, v)
-    for mine, theirs in zip(compiled, eager):
+    for mine, theirs in zip(compiled, eager, strict=True):
         np.testing.assert_array_equal(
             mine.numpy().view("int32"), theirs.numpy().view("int32")
         )
