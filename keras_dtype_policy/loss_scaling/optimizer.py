@@ -23,6 +23,7 @@ from keras_dtype_policy.loss_scaling.inner_hyperparameters import (
     ForwardsHyperparameters,
 )
 from keras_dtype_policy.loss_scaling.saved_layouts import SavedLayouts
+from keras_dtype_policy.low_precision.step_targets import StepCache
 from keras_dtype_policy.policies.registration import register
 from keras_dtype_policy.types import Tensor
 
@@ -102,6 +103,8 @@ class LossScaleOptimizer(
         )
         state_arrival.teach_tf_keras_layout(inner_optimizer)
         self._make_records()
+        # The TensorFlow step compiled once (`_tf_apply`), out of tracking.
+        self._step_cache = StepCache()
         inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
         for key in _EXTRA_DEFAULTS:
             setattr(self, key, getattr(settings, key))

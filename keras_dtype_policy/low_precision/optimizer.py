@@ -16,6 +16,7 @@ from keras_dtype_policy.low_precision import quantized_slots
 from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.low_precision.float32_views import Float32View
 from keras_dtype_policy.low_precision.float32_views import route_writes
+from keras_dtype_policy.low_precision.step_targets import StepCache
 from keras_dtype_policy.low_precision.step_targets import StepTargets
 from keras_dtype_policy.policies.registration import register
 from keras_dtype_policy.types import Tensor
@@ -41,7 +42,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     Wraps a Keras optimizer: its arithmetic runs in float32, on values read
     from the low-precision weights, and only the writes are rounded, as
-    `update` says (float32 weights get the inner optimizer's own update).
+    `update_rule` says (float32 weights get the inner optimizer's own
+    update).
     The compile hook installs it for the `"kahan_bfloat16"`,
     `"stochastic_bfloat16"`, `"kahan_float16"` and `"stochastic_float16"`
     policies, and with 8-bit or 4-bit state for the same names ending in
@@ -69,6 +71,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     0.9
     """
 
+    inner_optimizer: keras.optimizers.Optimizer
+    # Set by Keras' `Optimizer`: True once `build` ran.
+    built: bool
+    # None until `build` finds that a step draws random bits.
+    seed_generator: keras.random.SeedGenerator | None
+
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
@@ -83,18 +91,25 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         seed = arguments.check_seed(seed)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        self._update = update
+        self._update_rule = update
         self._state_dtype = state_dtype
         self._seed = seed
         self._targets = StepTargets()
+        self._step_cache = StepCache()
         self.seed_generator = None
         route_writes(inner_optimizer, self)
 
     @property
-    def update(self) -> str:
+    def update_rule(self) -> str:
         """How results are written: `"kahan"`, `"stochastic_rounding"` or
-        `"nearest"`."""
-        return self._update
+        `"nearest"` (the constructor's `update` argument)."""
+        return self._update_rule
+
+    @property
+    def update(self) -> str:
+        """`update_rule` under its constructor argument's name, kept for
+        existing code (to an optax reader, `update` is a function)."""
+        return self._update_rule
 
     @property
     def state_dtype(self) -> str | None:
@@ -152,10 +167,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._find_rounded_slots()
         if self._rounds_at_random(var_list):
             with keras.name_scope(self.name, caller=self):
-                self.seed_generator = keras.random.SeedGenerator(
+                generator = keras.random.SeedGenerator(
                     self._seed, name="rounding_seed"
                 )
-            self._track_variable(self.seed_generator.state)
+                self.seed_generator = generator
+            self._track_variable(generator.state)
 
     def _add_target(self, variable):
         """Adds what the inner optimizer builds on for `variable`: the
@@ -170,7 +186,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             self._targets.order.append(variable)
             return
         compensation = None
-        if low and self._update == "kahan":
+        if low and self._update_rule == "kahan":
             compensation = self.add_variable(
                 shape=variable.shape,
                 dtype=weight_dtype,
@@ -224,10 +240,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         """True where a step draws random bits: stochastic rounding of a
         low-precision weight, or of narrow or quantized state."""
         targets = self._targets
-        stochastic_weights = self._update == "stochastic_rounding" and any(
+        stochastic_weights = self._update_rule == "stochastic_rounding" and any(
             compensated_updates.is_low_precision(v.dtype) for v in var_list
         )
-        stochastic_slots = self._update != "nearest" and bool(
+        stochastic_slots = self._update_rule != "nearest" and bool(
             targets.rounded_slots or targets.quantized_slots
         )
         return stochastic_weights or stochastic_slots
@@ -236,13 +252,20 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self, grads: list[Tensor], trainable_variables: list | None = None
     ) -> None:
         """Applies one step: the inner optimizer's, with rounded writes."""
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "`apply` without `trainable_variables` needs an "
+                    "optimizer built on them: call `optimizer.build("
+                    "trainable_variables)` first, or pass them. Received: "
+                    "trainable_variables=None"
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        if trainable_variables is None:
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
         if not self._targets.views:
             return self.inner_optimizer.apply(grads, trainable_variables)
         # Put back if `keras_dtype_policy.uninstall()` took them off.
@@ -362,7 +385,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             weight.assign(ops.cast(value, weight.dtype))
         elif view.compensation is not None:
             compensated_updates.kahan_write(weight, view.compensation, value)
-        elif self._update == "stochastic_rounding":
+        elif self._update_rule == "stochastic_rounding":
             weight.assign(
                 compensated_updates.stochastic_round(
                     value, weight.dtype, self.seed_generator
@@ -379,7 +402,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         """Returns float32 `value` rounded to a slot's dtype: to nearest
         for `update="nearest"`, else stochastically."""
         value = ops.cast(value, "float32")
-        if self._update == "nearest":
+        if self._update_rule == "nearest":
             return ops.cast(value, slot.dtype)
         return compensated_updates.stochastic_round(
             value, slot.dtype, self.seed_generator
@@ -388,7 +411,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def state_rounding_seed(self) -> keras.random.SeedGenerator | None:
         """The seed of stochastic rounding of the state, or None where it
         rounds to nearest (`update="nearest"`)."""
-        return None if self._update == "nearest" else self.seed_generator
+        return None if self._update_rule == "nearest" else self.seed_generator
 
     def finalize_variable_values(self, var_list: list) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -407,7 +430,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(
                 self.inner_optimizer
             ),
-            "update": self._update,
+            "update": self._update_rule,
             "state_dtype": self._state_dtype,
             "seed": self._seed,
         }

@@ -1,4 +1,5 @@
-"""`StepTargets`: what a `LowPrecisionOptimizer` built for its step."""
+"""`StepTargets`: what a `LowPrecisionOptimizer` built for its step, and
+`StepCache`: the steps TensorFlow compiled for an optimizer."""
 
 import dataclasses
 
@@ -33,3 +34,21 @@ class StepTargets:
     slots_by_variable: object = NOT_COMPUTED
     torch_arena: object = None
     coded_adam_space: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepCache:
+    """An optimizer's steps compiled by `tensorflow_step`, reused from
+    step to step.
+
+    A plain object: Keras and TensorFlow track no attribute holding it,
+    so neither a checkpoint nor a saved model sees the functions in it.
+
+    Attributes:
+        steps: `{TraceKey: tf.function}` of the whole step (the latest
+            trace only).
+        groups: `{index: CompiledGroup}` of the step group by group.
+    """
+
+    steps: dict = dataclasses.field(default_factory=dict)
+    groups: dict = dataclasses.field(default_factory=dict)

@@ -110,7 +110,7 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
     Args:
         optimizer: The optimizer (`LowPrecisionOptimizer`, or the
             package's `LossScaleOptimizer`); its compiled steps are cached
-            on it.
+            in its `step_cache`.
         grads: The gradients, one per variable (None for none).
         trainable_variables: The variables.
         step: The function to compile; defaults to `optimizer._apply`.
@@ -122,7 +122,7 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
         present=present,
         settings=_settings(optimizer),
     )
-    cache = optimizer.__dict__.setdefault("_compiled_steps", {})
+    cache = step_cache(optimizer).steps
     compiled = cache.get(key)
     if compiled is None:
         variables = list(trainable_variables)
@@ -137,6 +137,12 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
         cache.clear()
         cache[key] = compiled
     compiled([tf.convert_to_tensor(g) for g in grads if g is not None])
+
+
+def step_cache(optimizer):
+    """The `StepCache` that `optimizer` (a `LowPrecisionOptimizer` or the
+    package's `LossScaleOptimizer`) declares in `__init__`."""
+    return optimizer._step_cache
 
 
 def in_groups(variables):
@@ -169,7 +175,7 @@ def grouped_apply(optimizer, grads, trainable_variables):
         prepared = optimizer._prepare_step(grads, list(trainable_variables))
         grads = prepared.grads
         learning_rate = tf.cast(prepared.learning_rate, "float32")
-        cache = optimizer.__dict__.setdefault("_compiled_groups", {})
+        cache = step_cache(optimizer).groups
         settings = _settings(optimizer)
         groups = list(_groups(prepared.variables))
         if len(cache) > len(groups):

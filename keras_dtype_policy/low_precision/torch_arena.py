@@ -72,7 +72,10 @@ class Copies:
 
 def weight_role(wrapper, view):
     """The region of a weight's float32 working copy."""
-    if view.compensation is None and wrapper.update == "stochastic_rounding":
+    if (
+        view.compensation is None
+        and wrapper.update_rule == "stochastic_rounding"
+    ):
         return ROUNDED
     return OTHER
 
@@ -80,7 +83,7 @@ def weight_role(wrapper, view):
 def slot_role(wrapper):
     """The region of the float32 working copy of a bfloat16 or float16
     slot (stored back rounded to nearest for `update="nearest"`)."""
-    return OTHER if wrapper.update == "nearest" else ROUNDED
+    return OTHER if wrapper.update_rule == "nearest" else ROUNDED
 
 
 class Arena:

@@ -95,7 +95,7 @@ def moments(wrapper, piece):
     `torch_step.is_package_adam`), else None."""
     inner = wrapper.inner_optimizer
     view = piece.view
-    if wrapper.update not in ("stochastic_rounding", "kahan"):
+    if wrapper.update_rule not in ("stochastic_rounding", "kahan"):
         return None
     if _store(wrapper, view) is None or len(piece.slots) != 2:
         return None
@@ -119,7 +119,7 @@ def _store(wrapper, view):
         return FLOAT32 if compensation is None else None
     if weight != torch.bfloat16:
         return None
-    if wrapper.update == "stochastic_rounding" and compensation is None:
+    if wrapper.update_rule == "stochastic_rounding" and compensation is None:
         return STOCHASTIC
     if compensation is not None and compensation.dtype == "bfloat16":
         return KAHAN

@@ -106,7 +106,7 @@ def batched_apply(wrapper, grads, variables, learning_rate):
     if plain.variables:
         _inner_update(inner, plain.grads, plain.variables, learning_rate)
     noise = None
-    if wrapper.seed_generator is not None and wrapper.update != "nearest":
+    if wrapper.seed_generator is not None and wrapper.update_rule != "nearest":
         # One key a step; every rounding of the step draws from it in turn.
         noise = torch_noise.TorchNoise(wrapper.seed_generator)
     if is_package_adam(inner):
@@ -325,7 +325,7 @@ def _write_back(wrapper, group, arena, staged, noise):
     nearest = torch_arena.Copies()
     for piece in group:
         _write_weight(wrapper, piece, arena, nearest)
-    if wrapper.update == "nearest":
+    if wrapper.update_rule == "nearest":
         for swap in staged.swaps:
             if swap.narrow is not None:
                 nearest.add(swap.narrow, swap.slot._value)

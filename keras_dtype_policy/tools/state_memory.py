@@ -90,7 +90,7 @@ def low_precision_state(optimizer, parameters):
     if wrapper.built and parameters:
         state_bytes = variable_bytes(optimizer) / parameters
     return {
-        "update": wrapper.update,
+        "update": wrapper.update_rule,
         "state_dtype": wrapper.state_dtype,
         "quantized_slots": len(quantized),
         "state_bytes_per_parameter": state_bytes,

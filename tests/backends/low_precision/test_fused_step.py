@@ -145,7 +145,7 @@ def test_torch_groups_bound_the_float32_working_set(monkeypatch):
 def test_tensorflow_compiles_the_step_once(monkeypatch):
     _, optimizer = train(OPTIMIZERS["adam"], True, monkeypatch)
     assert tensorflow_step.can_compile(optimizer)
-    steps = optimizer.__dict__["_compiled_steps"]
+    steps = optimizer._step_cache.steps
     assert len(steps) == 1
     (step,) = steps.values()
     assert step.experimental_get_tracing_count() == 1
@@ -166,9 +166,9 @@ def test_tensorflow_updates_a_large_model_group_by_group(
     grouped, optimizer = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
     for a, b in zip(whole, grouped, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert "_compiled_groups" not in one.__dict__
-    assert "_compiled_steps" not in optimizer.__dict__
-    groups = optimizer.__dict__["_compiled_groups"]
+    assert not one._step_cache.groups
+    assert not optimizer._step_cache.steps
+    groups = optimizer._step_cache.groups
     # Each (17, 9) weight alone, then 9 + 9 + 60 and 60 + 1 + 1 elements.
     assert len(groups) == 4
     for _, step in groups.values():
@@ -203,7 +203,7 @@ def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
         )
         for _ in range(2):
             optimizer.apply([sparse, tf.ones((8,)) * 4.0], [table, bias])
-        assert ("_compiled_groups" in optimizer.__dict__) == grouped
+        assert bool(optimizer._step_cache.groups) == grouped
         results.append([as_float32(table), as_float32(bias)])
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -229,7 +229,7 @@ def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
     grad = keras.ops.full((30, 30), 2.0**15, "bfloat16")  # scaled by 2**15
     for _ in range(2):
         optimizer.apply([grad], [weight])
-    assert "_compiled_groups" not in inner.__dict__
+    assert not inner._step_cache.groups
     assert int(inner.iterations.numpy()) == 2
     # Adam's first steps move each weight by about the learning rate.
     np.testing.assert_allclose(as_float32(weight), 1.0 - 2e-2, atol=2e-3)
