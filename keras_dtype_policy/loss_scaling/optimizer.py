@@ -290,13 +290,24 @@ class LossScaleOptimizer(
     def _tf_apply(self, grads, trainable_variables=None):
         step = backend_dispatch.module_for("low_precision_step")
         if tf_replicas.outside_strategies() and not step.has_sparse(grads):
+            variables = trainable_variables or self._trainable_variables
+            if self._inner_steps_in_groups(step, variables):
+                # The inner step's groups bound its memory; the check and
+                # the scale's update run around them.
+                self._common_apply(grads, trainable_variables)
+                return
             # One XLA computation for the whole step (Keras runs TensorFlow
             # op by op on a CPU).
-            variables = trainable_variables or self._trainable_variables
             step.compiled_apply(self, grads, variables, step=self._common_apply)
             return
         # Under tf.distribute, all replicas agree on skipping a step.
         tf_replicas.apply(self, grads, trainable_variables)
+
+    def _inner_steps_in_groups(self, step, variables):
+        """True where the inner optimizer (a `LowPrecisionOptimizer`) runs
+        its TensorFlow step group by group over `variables`."""
+        grouped = getattr(self.inner_optimizer, "_step_cache", None)
+        return grouped is not None and step.in_groups(variables)
 
     def check_finite(self, grads: list[Tensor | None]) -> Tensor:
         """Returns a boolean scalar tensor: True if all `grads` are finite

@@ -95,6 +95,8 @@ _MAGIC_BITS = 0x4B400000
 TINY_SCALE = 2.0**-64
 LIFT = 2.0**64
 DROP = 2.0**-64
+# The shifts that bring a byte's low and high 4-bit codes down.
+_NIBBLE_SHIFTS = (0, 4)
 
 
 def code_for(bits, signed):
@@ -256,12 +258,16 @@ def _pack(index, code):
 
 
 def _unpack(packed, code):
+    """Two 4-bit codes of each byte, the low one first (`_pack`'s order).
+
+    Both come from one shift of the byte broadcast against `(0, 4)`: an
+    elementwise operation that XLA fuses into what reads the codes (a
+    stack of the two would be a concatenation, materialized as int32).
+    """
     byte = ops.add(packed, 128)
-    low = ops.mod(byte, 16)
-    high = ops.floor_divide(byte, 16)
-    index = ops.reshape(
-        ops.stack([low, high], axis=-1), (ops.shape(byte)[0], -1)
-    )
+    shifts = ops.convert_to_tensor(_NIBBLE_SHIFTS, dtype="int32")
+    nibbles = ops.bitwise_and(ops.right_shift(byte[:, :, None], shifts), 15)
+    index = ops.reshape(nibbles, (ops.shape(byte)[0], -1))
     if code.signed:
         index = ops.subtract(index, code.levels)
     return index

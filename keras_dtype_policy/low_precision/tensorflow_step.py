@@ -22,7 +22,9 @@ This module imports TensorFlow at its top: the package reaches it through
 `backend_dispatch.module_for("low_precision_step")`, only on TensorFlow.
 """
 
+import contextlib
 import dataclasses
+import threading
 import typing
 
 import keras
@@ -33,6 +35,10 @@ from keras_dtype_policy.low_precision import block_codes
 # The most elements of variables one XLA computation updates (the torch
 # step's groups are `torch_step`'s own).
 XLA_GROUP_ELEMENTS = 2**23
+
+# Set while `compiled_apply` traces its one XLA computation, in which
+# groups would be that same computation.
+_TRACING = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +136,8 @@ def compiled_apply(optimizer, grads, trainable_variables, step=None):
         def run(given):
             full = iter(given)
             grads = [next(full) if p else None for p in present]
-            step_function(grads, variables)
+            with _tracing_one_computation():
+                step_function(grads, variables)
             return tf.constant(0)
 
         compiled = tf.function(run, jit_compile=True, autograph=False)
@@ -146,12 +153,26 @@ def step_cache(optimizer):
 
 
 def in_groups(variables):
-    """True where the step over `variables` runs group by group: not
-    inside a computation being traced (the package's `LossScaleOptimizer`
-    compiles its whole step), where groups would be one computation."""
-    return (
-        _elements(variables) > XLA_GROUP_ELEMENTS and not tf.inside_function()
+    """True where the step over `variables` runs group by group.
+
+    Above `XLA_GROUP_ELEMENTS` elements, eagerly and inside `fit`'s
+    `tf.function` alike (each group is an XLA computation of its own
+    there too), but not while `compiled_apply` traces one computation for
+    the whole step, where the groups would be that one computation.
+    """
+    return _elements(variables) > XLA_GROUP_ELEMENTS and not getattr(
+        _TRACING, "active", False
     )
+
+
+@contextlib.contextmanager
+def _tracing_one_computation():
+    previous = getattr(_TRACING, "active", False)
+    _TRACING.active = True
+    try:
+        yield
+    finally:
+        _TRACING.active = previous
 
 
 def grouped_apply(optimizer, grads, trainable_variables):

@@ -222,3 +222,21 @@ def test_four_bit_codes_are_packed_two_to_a_byte(signed):
     assert byte.shape == (code.block // 2,)
     np.testing.assert_array_equal(byte % 16, stored[0::2])
     np.testing.assert_array_equal(byte // 16, stored[1::2])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_four_bit_unpack_of_every_byte(signed):
+    # Every byte value: the low 4 bits first, then the high 4, as the
+    # stacked `byte % 16` and `byte // 16` gave them.
+    code = block_codes.code_for(4, signed)
+    byte = np.arange(256, dtype=np.int32)
+    packed = (byte - 128).astype(np.int8).reshape(4, 64)
+    index = to_numpy(
+        block_codes._unpack(
+            keras.ops.cast(keras.ops.convert_to_tensor(packed), "int32"), code
+        )
+    )
+    expected = np.stack([byte % 16, byte // 16], axis=-1).reshape(4, 128)
+    if signed:
+        expected = expected - code.levels
+    np.testing.assert_array_equal(index, expected)

@@ -213,26 +213,102 @@ def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
     np.testing.assert_allclose(table[[1, 5, 7]], 1.0 - 2e-2, atol=4e-3)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
-def test_tensorflow_loss_scaled_large_model_is_one_computation(monkeypatch):
-    # The package's LossScaleOptimizer compiles its whole step (the
-    # finiteness check decides for every weight): the wrapped
-    # LowPrecisionOptimizer does not split it, whatever the size.
+def fit_dense_stack(policy, group_elements, monkeypatch, jit_compile=False):
+    """Weights (float32) and optimizer after `fit` of a small Dense stack
+    under `policy`, with `XLA_GROUP_ELEMENTS` set to `group_elements`."""
     import keras_dtype_policy as kdp
 
-    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
-    weight = keras.Variable(np.ones((30, 30), "float32"), dtype="bfloat16")
-    inner = LowPrecisionOptimizer(
-        keras.optimizers.Adam(1e-2), update="kahan", state_dtype="8bit"
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", group_elements)
+    keras.utils.set_random_seed(3)
+    with kdp.policy_scope(policy):
+        model = keras.Sequential(
+            [keras.Input((12,))]
+            + [keras.layers.Dense(12, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(1)]
+        )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="mean_squared_error",
+        jit_compile=jit_compile,
     )
-    optimizer = kdp.LossScaleOptimizer(inner)
-    grad = keras.ops.full((30, 30), 2.0**15, "bfloat16")  # scaled by 2**15
-    for _ in range(2):
-        optimizer.apply([grad], [weight])
-    assert not inner._step_cache.groups
-    assert int(inner.iterations.numpy()) == 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 12)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    return [as_float32(w) for w in model.trainable_weights], model.optimizer
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@pytest.mark.parametrize(
+    "policy", ["kahan_bfloat16", "stochastic_bfloat16_8bit"]
+)
+def test_tensorflow_groups_bound_the_step_inside_fit(policy, monkeypatch):
+    # `fit` traces its step into a tf.function (no XLA on a CPU): the
+    # groups are XLA computations of their own there too, so the step's
+    # temporaries are a group's (issue #43), with the same results as one
+    # computation for the whole model.
+    whole, one = fit_dense_stack(policy, 10**9, monkeypatch)
+    grouped, optimizer = fit_dense_stack(policy, 200, monkeypatch)
+    assert one._step_cache.steps and not one._step_cache.groups
+    # 144 + 12 elements a hidden layer, the last one's 12 + 1 joining
+    # the third: three groups.
+    assert len(optimizer._step_cache.groups) == 3
+    assert not optimizer._step_cache.steps
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_groups_inside_a_jit_compiled_fit(monkeypatch):
+    # Under `jit_compile=True` the whole step is one XLA computation
+    # whatever the groups: they are traced into it, same results.
+    whole, _ = fit_dense_stack("kahan_bfloat16", 10**9, monkeypatch, True)
+    grouped, _ = fit_dense_stack("kahan_bfloat16", 200, monkeypatch, True)
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_loss_scaled_large_model_runs_inner_groups(monkeypatch):
+    # Above XLA_GROUP_ELEMENTS the package's LossScaleOptimizer checks the
+    # gradients and updates its scale op by op around the wrapped
+    # LowPrecisionOptimizer's groups (one computation for the whole step
+    # would hold every group's temporaries): a skipped step skips every
+    # group, a finite one updates them as one computation does.
+    import keras_dtype_policy as kdp
+
+    def train(group_elements, grads):
+        monkeypatch.setattr(
+            tensorflow_step, "XLA_GROUP_ELEMENTS", group_elements
+        )
+        weights = [
+            keras.Variable(np.ones((30, 30), "float32"), dtype="bfloat16"),
+            keras.Variable(np.ones((20, 30), "float32"), dtype="bfloat16"),
+        ]
+        inner = LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-2), update="kahan", state_dtype="8bit"
+        )
+        optimizer = kdp.LossScaleOptimizer(inner)
+        for step_grads in grads:
+            optimizer.apply(step_grads, weights)
+        return [as_float32(w) for w in weights], optimizer
+
+    # Scaled by the initial 2**15; the second step overflows.
+    finite = [
+        keras.ops.full(s, 2.0**15, "bfloat16") for s in [(30, 30), (20, 30)]
+    ]
+    overflow = [finite[0], keras.ops.full((20, 30), np.inf, "bfloat16")]
+    steps = [finite, overflow, finite]
+    whole, one = train(10**9, steps)
+    grouped, optimizer = train(1000, steps)
+    assert not one.inner_optimizer._step_cache.groups
+    assert len(optimizer.inner_optimizer._step_cache.groups) == 2
+    assert int(optimizer.inner_optimizer.iterations.numpy()) == 2
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**14
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_array_equal(a, b)
     # Adam's first steps move each weight by about the learning rate.
-    np.testing.assert_allclose(as_float32(weight), 1.0 - 2e-2, atol=2e-3)
+    np.testing.assert_allclose(grouped[0], 1.0 - 2e-2, atol=3e-3)
 
 
 # Quantized state: weights of several pieces (TORCH_GROUP_ELEMENTS small)
