@@ -82,8 +82,9 @@ def probe(configuration, width, depth, batch, steps):
         state and the data made),
         `first_peak` (the process's high-water mark after the first
         step), `steady_peak` (the high-water mark of the later steps, or
-        None where it cannot be reset) and `after` (resident after the
-        steps).
+        None where it cannot be reset), `after` (resident after the
+        steps) and `device_peak` (a GPU's peak memory through the whole
+        process, None on a CPU).
     """
     import keras
     import numpy as np
@@ -141,6 +142,8 @@ def probe(configuration, width, depth, batch, steps):
         "first_peak": first_peak,
         "steady_peak": steady_peak,
         "after": process_memory.current_rss(),
+        # On a GPU: the device's peak over the whole process, else None.
+        "device_peak": backend_support.peak_device_memory(),
     }
 
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from tests.benchmarks import hub_quality_report
+from tests.benchmarks import peak_memory_report
 from tests.benchmarks import quantized_state_report
 from tests.benchmarks.sizes import ARMS
 from tests.benchmarks.sizes import KERAS
@@ -96,6 +97,7 @@ def render_backend(result):
         ("float8", float8_section),
         ("hub_quality", hub_quality_report.section),
         ("quantized_state_memory", quantized_state_report.section),
+        ("peak_memory", peak_memory_report.section),
     )
     for key, section in sections:
         if key in result:

@@ -17,6 +17,7 @@ BENCHMARKS = (
     "float8",
     "hub_quality",
     "quantized_state_memory",
+    "peak_memory",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -72,6 +73,9 @@ class Sizes:
         state_memory_batch: Its batch size.
         state_memory_steps: Training steps whose peak memory is read.
         state_memory_repeats: Fresh processes per configuration.
+        peak_width: Width of the Dense stack of the peak-memory benchmark.
+        peak_depths: Its depths, one process each (the slope's points).
+        peak_batches: Its batch sizes (a slope each).
     """
 
     name: str
@@ -101,6 +105,9 @@ class Sizes:
     state_memory_batch: int
     state_memory_steps: int
     state_memory_repeats: int
+    peak_width: int
+    peak_depths: tuple
+    peak_batches: tuple
 
 
 FULL = Sizes(
@@ -132,6 +139,10 @@ FULL = Sizes(
     state_memory_batch=64,
     state_memory_steps=3,
     state_memory_repeats=1,
+    # 3, 6 and 12 x (2048 x 2048 + 2048): 12.6M, 25.2M and 50.4M.
+    peak_width=2048,
+    peak_depths=(3, 6, 12),
+    peak_batches=(8, 64),
 )
 
 QUICK = Sizes(
@@ -162,6 +173,9 @@ QUICK = Sizes(
     state_memory_batch=8,
     state_memory_steps=2,
     state_memory_repeats=1,
+    peak_width=128,
+    peak_depths=(1, 2, 3),
+    peak_batches=(8,),
 )
 
 

@@ -258,6 +258,9 @@ def test_tensorflow_groups_bound_the_step_inside_fit(policy, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+# Slow: two jit-compiled fits (about 45 s on a 2-core machine); `tox -e
+# full-tensorflow` runs it.
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_tensorflow_groups_inside_a_jit_compiled_fit(monkeypatch):
     # Under `jit_compile=True` the whole step is one XLA computation
