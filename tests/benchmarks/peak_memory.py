@@ -98,17 +98,15 @@ def _batches(sizes):
 
 
 def _probe(backend, name, sizes, depth, batch, threads):
-    command = probe_command(backend, name, sizes, threads)
-    command = [
-        argument
-        for argument in command
-        if not argument.startswith(("--width=", "--depth=", "--batch="))
-    ]
-    command += [
-        f"--width={sizes.peak_width}",
-        f"--depth={depth}",
-        f"--batch={batch}",
-    ]
+    command = probe_command(
+        backend,
+        name,
+        sizes,
+        threads,
+        width=sizes.peak_width,
+        depth=depth,
+        batch=batch,
+    )
     return memory.run_probe(command, marker=MARKER, timeout=1800)
 
 

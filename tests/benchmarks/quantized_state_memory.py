@@ -29,8 +29,18 @@ TARGET = {"configuration": "stochastic_bfloat16_8bit", "bytes": 4.1}
 REFERENCE = "mixed_bfloat16"
 
 
-def probe_command(backend, configuration, sizes, threads=None):
-    """Returns the command line of one probe process."""
+def probe_command(
+    backend,
+    configuration,
+    sizes,
+    threads=None,
+    width=None,
+    depth=None,
+    batch=None,
+):
+    """Returns the command line of one probe process: the model of
+    `sizes` (`state_memory_*`), or the `width`, `depth` and `batch`
+    given."""
     limit = [] if threads is None else [f"--threads={threads}"]
     return [
         sys.executable,
@@ -38,9 +48,9 @@ def probe_command(backend, configuration, sizes, threads=None):
         PROBE,
         f"--backend={backend}",
         f"--configuration={configuration}",
-        f"--width={sizes.state_memory_width}",
-        f"--depth={sizes.state_memory_depth}",
-        f"--batch={sizes.state_memory_batch}",
+        f"--width={width or sizes.state_memory_width}",
+        f"--depth={depth or sizes.state_memory_depth}",
+        f"--batch={batch or sizes.state_memory_batch}",
         f"--steps={sizes.state_memory_steps}",
         *limit,
     ]
