@@ -31,6 +31,9 @@ _MODULES = {
         "keras_dtype_policy.low_precision.tensorflow_step"
     ),
     (TORCH, "rounding_noise"): "keras_dtype_policy.low_precision.torch_noise",
+    (TORCH, "gradient_release"): (
+        "keras_dtype_policy.low_precision.torch_release"
+    ),
     (TORCH, "kernels"): "keras_dtype_policy.low_precision.torch_kernels",
 }
 

@@ -136,8 +136,14 @@ KERAS_INTERNALS = (
     _internal(
         _OPTIMIZER,
         "_apply_weight_decay",
-        f"{_LP}.torch_step",
+        f"{_LP}.torch_step {_LP}.optimizer",
         "Decay the weights as the inner optimizer would, before a step.",
+    ),
+    _internal(
+        _OPTIMIZER,
+        "_backend_update_step",
+        f"{_LP}.optimizer",
+        "The inner optimizer's own update of one released variable.",
     ),
     _internal(
         _OPTIMIZER,

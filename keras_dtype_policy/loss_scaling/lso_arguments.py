@@ -112,6 +112,16 @@ def _check_inner_optimizer(inner_optimizer):
             f"(of type {type(inner_optimizer).__name__})"
         )
     optimizer_values.check_inner_learning_rate(inner_optimizer)
+    if getattr(inner_optimizer, "release_gradients", False) is True:
+        raise ValueError(
+            "A LossScaleOptimizer cannot wrap an optimizer with "
+            "release_gradients=True: loss scaling must see every gradient "
+            "(finite or not, to skip the step and lower the scale) before "
+            "any variable is updated, and release updates each variable as "
+            "its gradient is made. Train float16 weights without release, "
+            "or bfloat16 weights (no loss scale) with it. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
 
 
 def _initial_scale(dynamic, initial_scale):

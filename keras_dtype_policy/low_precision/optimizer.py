@@ -10,6 +10,7 @@ from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import float32_views
+from keras_dtype_policy.low_precision import gradient_release
 from keras_dtype_policy.low_precision import inner_step
 from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.low_precision import quantized_slots
@@ -57,6 +58,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             `"float32"`, `"bfloat16"`, `"float16"`, or `"8bit"` / `"4bit"`
             for block-wise quantized state.
         seed: An int seeding the random rounding; None draws one.
+        release_gradients: True to update each variable inside the
+            backward pass as soon as its gradient is complete, and free
+            the gradient there (PyTorch; see `gradient_release`).
         name: The optimizer's name.
 
     Example:
@@ -84,16 +88,22 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         state_dtype: str | None = None,
         seed: int | None = None,
         name: str | None = None,
+        release_gradients: bool = False,
     ) -> None:
         arguments.check_inner_optimizer(inner_optimizer, LowPrecisionOptimizer)
         update = arguments.check_update(update)
         state_dtype = arguments.check_state_dtype(state_dtype)
         seed = arguments.check_seed(seed)
+        release_gradients = gradient_release.check_release_gradients(
+            release_gradients, inner_optimizer
+        )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self._update_rule = update
         self._state_dtype = state_dtype
         self._seed = seed
+        self._release_gradients = release_gradients
+        self._release = gradient_release.GradientRelease(self)
         self._targets = StepTargets()
         self._step_cache = StepCache()
         self.seed_generator = None
@@ -122,6 +132,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         return self._seed
 
     @property
+    def release_gradients(self) -> bool:
+        """True where each variable is updated in the backward pass and
+        its gradient freed there (the constructor's argument)."""
+        return self._release_gradients
+
+    @property
     def quantized_slots(self) -> list:
         """The slots stored as 8-bit or 4-bit codes (`QuantizedSlot`s), in
         the order they were made; empty before `build` or without
@@ -145,6 +161,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss: Tensor) -> Tensor:
+        # Keras' trainers call this right before the backward pass.
+        if self._release_gradients and self.built:
+            self._release.arm()
         return self.inner_optimizer.scale_loss(loss)
 
     def compensation_of(
@@ -172,6 +191,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 )
                 self.seed_generator = generator
             self._track_variable(generator.state)
+        if self._release_gradients:
+            self._release.install(var_list)
 
     def _add_target(self, variable):
         """Adds what the inner optimizer builds on for `variable`: the
@@ -266,7 +287,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        if not self._targets.views:
+        if not self._targets.views and not self._release.open:
+            self._release.disarm()
             return self.inner_optimizer.apply(grads, trainable_variables)
         # Put back if `keras_dtype_policy.uninstall()` took them off.
         route_writes(self.inner_optimizer, self)
@@ -279,6 +301,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def _apply(self, grads, trainable_variables):
         inner = self.inner_optimizer
+        if self._release.open:
+            with keras.name_scope(inner.name, caller=inner):
+                return self._release.finish(grads, trainable_variables)
+        self._release.disarm()
         with keras.name_scope(inner.name, caller=inner):
             prepared = self._prepare_step(grads, trainable_variables)
             self._run_updates(
@@ -318,16 +344,51 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         inner_step.advance_step_state(inner)
         return PreparedStep(grads, [v for _, v in pairs], learning_rate)
 
-    def _run_updates(self, grads, variables, learning_rate):
-        """The per-variable updates of `variables` (all, or a group)."""
+    def _begin_released_step(self):
+        """What comes once before a released step's first update (see
+        `gradient_release`); returns its `ReleasedStep`."""
+        inner = self.inner_optimizer
+        inner_step.advance_step_state(inner)
+        noise = None
+        if backend_dispatch.is_torch():
+            torch_step = backend_dispatch.module_for("low_precision_step")
+            noise = torch_step.step_noise(self)
+        return gradient_release.ReleasedStep(inner.learning_rate, noise)
+
+    def _release_update(self, grad, variable, step):
+        """Updates one variable of a released step from its gradient,
+        unscaled and clipped as `_prepare_step` does."""
+        inner = self.inner_optimizer
+        with keras.name_scope(inner.name, caller=inner):
+            if _clips(inner) and id(variable) in self._targets.views:
+                grad = ops.cast(grad, "float32")
+            scale = inner.loss_scale_factor
+            if scale is not None:
+                grad = grad / scale
+            grad = inner._clip_gradients([grad])[0]
+            if not self._targets.views:
+                # No view: the usual step is the inner optimizer's own.
+                inner._apply_weight_decay([variable])
+                inner._backend_update_step(
+                    [grad], [variable], step.learning_rate
+                )
+                return
+            self._run_updates([grad], [variable], step.learning_rate, step)
+
+    def _run_updates(self, grads, variables, learning_rate, step=None):
+        """The per-variable updates of `variables` (all, or a group), of
+        a released step where `step` (a `ReleasedStep`) is given."""
         torch_step = None
         if backend_dispatch.is_torch():
             torch_step = backend_dispatch.module_for("low_precision_step")
         self._targets.in_step = True
         try:
             if torch_step is not None and torch_step.can_batch(self):
+                noise = (
+                    torch_step.step_noise(self) if step is None else step.noise
+                )
                 self._batched_updates(
-                    torch_step, grads, variables, learning_rate
+                    torch_step, grads, variables, learning_rate, noise
                 )
             else:
                 self._updates(grads, variables, learning_rate)
@@ -359,9 +420,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                     variable.constraint(ops.convert_to_tensor(target))
                 )
 
-    def _batched_updates(self, torch_step, grads, variables, learning_rate):
+    def _batched_updates(
+        self, torch_step, grads, variables, learning_rate, noise
+    ):
         """All variables' updates as batched torch operations (by the
-        module `torch_step`)."""
+        module `torch_step`), drawing random bits from `noise`."""
         batched_grads, batched = [], []
         for grad, variable in zip(grads, variables, strict=True):
             if getattr(variable, "overwrite_with_gradient", False):
@@ -369,7 +432,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             else:
                 batched_grads.append(grad)
                 batched.append(variable)
-        torch_step.batched_apply(self, batched_grads, batched, learning_rate)
+        torch_step.batched_apply(
+            self, batched_grads, batched, learning_rate, noise
+        )
         for variable in batched:
             if variable.constraint is not None:
                 target = self._targets.views.get(id(variable), variable)
@@ -425,7 +490,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         super().load_own_variables(store)
 
     def get_config(self) -> dict[str, typing.Any]:
-        return {
+        config = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(
                 self.inner_optimizer
@@ -434,6 +499,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "state_dtype": self._state_dtype,
             "seed": self._seed,
         }
+        # Only where set: files without it load in earlier versions.
+        if self._release_gradients:
+            config["release_gradients"] = True
+        return config
 
     @classmethod
     def from_config(

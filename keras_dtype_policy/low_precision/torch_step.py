@@ -87,7 +87,17 @@ def is_package_adam(inner):
     return BATCHED_OPTIMIZERS.get(type(inner), False) and not inner.amsgrad
 
 
-def batched_apply(wrapper, grads, variables, learning_rate):
+def step_noise(wrapper):
+    """Returns the random bits of one step of `wrapper` (a
+    `torch_noise.TorchNoise` of the step's key), or None where the step
+    draws none."""
+    if wrapper.seed_generator is None or wrapper.update_rule == "nearest":
+        return None
+    # One key a step; every rounding of the step draws from it in turn.
+    return torch_noise.TorchNoise(wrapper.seed_generator)
+
+
+def batched_apply(wrapper, grads, variables, learning_rate, noise):
     """Updates `variables` from `grads`, group by group.
 
     `grads` are already summed, unscaled and clipped; the caller advances
@@ -100,15 +110,12 @@ def batched_apply(wrapper, grads, variables, learning_rate):
         grads: The gradients, one per variable.
         variables: The model's variables.
         learning_rate: The inner optimizer's learning rate.
+        noise: The step's random bits (`step_noise`).
     """
     inner = wrapper.inner_optimizer
     pieces, plain = _pieces(wrapper, grads, variables)
     if plain.variables:
         _inner_update(inner, plain.grads, plain.variables, learning_rate)
-    noise = None
-    if wrapper.seed_generator is not None and wrapper.update_rule != "nearest":
-        # One key a step; every rounding of the step draws from it in turn.
-        noise = torch_noise.TorchNoise(wrapper.seed_generator)
     if is_package_adam(inner):
         pieces = torch_coded_adam.apply(
             wrapper, pieces, learning_rate, noise, TORCH_GROUP_ELEMENTS

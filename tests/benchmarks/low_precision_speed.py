@@ -68,6 +68,14 @@ QUANTIZED = {
     ),
     "mixed_bfloat16+4bit": (MIXED, "stochastic_rounding", "4bit"),
 }
+# Gradient release (PyTorch): the same configurations, each variable
+# updated in the backward pass (`release_gradients=True`).
+RELEASE = "+release"
+RELEASED = (
+    "kahan_bfloat16" + RELEASE,
+    "stochastic_bfloat16+8bit" + RELEASE,
+    "stochastic_bfloat16+4bit" + RELEASE,
+)
 CONFIGURATIONS = (
     MIXED,
     PLAIN,
@@ -78,6 +86,7 @@ CONFIGURATIONS = (
     "kahan_float16",
     "stochastic_float16",
     *QUANTIZED,
+    *RELEASED,
 )
 TARGETS = {"over_mixed": 1.10, "goal_over_mixed": 1.00, "over_plain": 1.05}
 
@@ -96,6 +105,8 @@ def residual_mlp(blocks=BLOCKS, width=WIDTH, hidden=HIDDEN):
 
 def build(name, initial):
     """Returns the model of one configuration, compiled as a user would."""
+    release = name.endswith(RELEASE)
+    name = name.removesuffix(RELEASE)
     policy = MIXED if name == STATE else name
     if name in QUANTIZED:
         policy = QUANTIZED[name][0]
@@ -106,7 +117,11 @@ def build(name, initial):
     if name in QUANTIZED:
         _, update, state_dtype = QUANTIZED[name]
         optimizer = kdp.LowPrecisionOptimizer(
-            optimizer, update=update, state_dtype=state_dtype, seed=0
+            optimizer,
+            update=update,
+            state_dtype=state_dtype,
+            seed=0,
+            release_gradients=release,
         )
     elif name == STATE:
         optimizer = kdp.LowPrecisionOptimizer(
@@ -114,6 +129,11 @@ def build(name, initial):
             update="stochastic_rounding",
             state_dtype="bfloat16",
             seed=0,
+        )
+    if release and name not in QUANTIZED:
+        update = "kahan" if name.startswith("kahan") else "stochastic_rounding"
+        optimizer = kdp.LowPrecisionOptimizer(
+            optimizer, update=update, seed=0, release_gradients=True
         )
     model.compile(
         optimizer=optimizer,

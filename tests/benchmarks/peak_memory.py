@@ -116,9 +116,11 @@ def _row(points):
     first = points[first_batch][0]
     variables = first["variables"]
     parameters = variables["parameters"]
-    ideal = (2 * variables["weight_bytes"] + variables["state_bytes"]) / (
-        parameters
-    )
+    # A gradient a weight, unless released in the backward pass.
+    gradients = 0 if first.get("release_gradients") else 1
+    ideal = (
+        (1 + gradients) * variables["weight_bytes"] + variables["state_bytes"]
+    ) / parameters
     slopes = {
         batch: slope(
             [

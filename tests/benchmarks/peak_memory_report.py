@@ -17,7 +17,8 @@ def section(results):
         "(through the first step and "
         f"{setup['steps']} more) against the parameter count, in bytes a "
         "parameter. Ideal: weights + optimizer state + a gradient a "
-        "weight, from the variables. x mixed: how many times more "
+        "weight (none under +release: gradients released in the "
+        "backward pass), from the variables. x mixed: how many times more "
         "parameters fit in the same memory than under mixed_bfloat16.",
         "",
         "| configuration | ideal | "

@@ -52,6 +52,23 @@ CONFIGURATIONS = {
         {"update": "stochastic_rounding", "state_dtype": "4bit", "seed": 0},
     ),
 }
+# Gradient release (PyTorch; elsewhere the usual step): each variable
+# updated in the backward pass, its gradient freed there.
+RELEASE = "+release"
+for _name in (
+    "mixed_bfloat16",
+    "kahan_bfloat16",
+    "stochastic_bfloat16_8bit",
+    "stochastic_bfloat16_4bit",
+):
+    _policy, _arguments = CONFIGURATIONS[_name]
+    _arguments = _arguments or {
+        "update": "nearest" if _name.startswith("mixed") else "kahan"
+    }
+    CONFIGURATIONS[_name + RELEASE] = (
+        _policy,
+        {**_arguments, "release_gradients": True},
+    )
 LEARNING_RATE = 1e-4
 
 
@@ -134,6 +151,7 @@ def probe(configuration, width, depth, batch, steps):
         "optimizer": type(optimizer).__name__,
         "update": getattr(optimizer, "update", None),
         "state_dtype": getattr(optimizer, "state_dtype", None),
+        "release_gradients": getattr(optimizer, "release_gradients", False),
         "backend": backend_support.backend(),
         "device": backend_support.device(),
         "variables": variables,

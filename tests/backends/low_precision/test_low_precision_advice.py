@@ -55,6 +55,10 @@ def test_the_advice_fits_where_bfloat16_is_fast(devices, fits):
     assert "state_dtype='8bit'" in line
     assert "4-bit state 3.06 ('stochastic_bfloat16_4bit')" in line
     assert "docs/low-precision-training.md" in line
+    # Gradient release runs on PyTorch only: named there, nowhere else.
+    assert ("release_gradients=True frees each gradient" in line) == (
+        BACKEND == "torch"
+    )
     assert advice.demo_choice(devices, BACKEND).low_precision == line
 
 

@@ -1,0 +1,165 @@
+"""Gradients released as they are made: the update in the backward pass.
+
+With `LowPrecisionOptimizer(..., release_gradients=True)` on PyTorch, each
+trainable variable is updated as soon as autograd has finished its
+gradient, and the gradient is freed there, so the gradients of the whole
+model never exist at once (torchtune's "optimizer in backward"). A step
+is armed by `scale_loss`, which Keras' torch trainer calls right before
+`loss.backward()`; the backward pass then runs the updates (one hook a
+variable, `torch_release`), and the trainer's `apply`, which finds no
+gradient left, ends the step (the step count advances once). A backward
+pass that no `scale_loss` armed (a gradient computed for another purpose,
+a custom loop that does not call it) updates nothing: its gradients stay,
+and `apply` runs the usual step on them.
+
+Each variable's update is the usual step's arithmetic on that variable
+alone. Where no random bits are drawn (`update="nearest"`, float32 state,
+float32 weights with Kahan's write) the weights are bit for bit those of
+the usual step; with stochastic rounding the bits are drawn a variable at
+a time instead of a group at a time, so each rounding lands on the same
+two neighbours with the same probabilities but not on the same one.
+
+JAX and TensorFlow run the step as one compiled program whose buffers the
+compiler frees; there the argument changes nothing (a warning says so).
+"""
+
+import typing
+import warnings
+
+import keras
+
+from keras_dtype_policy import backend_dispatch
+
+
+class ReleasedStep(typing.NamedTuple):
+    """What the updates of one released step share.
+
+    Attributes:
+        learning_rate: The inner optimizer's learning rate of the step.
+        noise: The step's random bits on torch (`torch_noise.TorchNoise`),
+            or None where the step draws none.
+    """
+
+    learning_rate: object
+    noise: object
+
+
+class GradientRelease:
+    """The release of one `LowPrecisionOptimizer`'s gradients.
+
+    Args:
+        wrapper: The `LowPrecisionOptimizer`.
+    """
+
+    def __init__(self, wrapper):
+        self._wrapper = wrapper
+        self._hooked = {}
+        self._armed = False
+        self._step = None
+        self._released = set()
+
+    @property
+    def open(self):
+        """True from the first released update of a step to its `finish`."""
+        return bool(self._released)
+
+    def install(self, variables):
+        """Hooks each trainable variable's gradient, where the backend can
+        (PyTorch); warns elsewhere that the step is unchanged."""
+        hooks = backend_dispatch.module_for("gradient_release")
+        if hooks is None:
+            warnings.warn(
+                "release_gradients=True updates each variable inside the "
+                "backward pass on PyTorch only. On "
+                f"{backend_dispatch.name()} the training step is one "
+                "compiled program whose buffers the compiler frees; the "
+                "step is the usual one.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        for variable in variables:
+            if variable.trainable and id(variable) not in self._hooked:
+                handle = hooks.hook(variable, self._on_gradient)
+                if handle is not None:
+                    self._hooked[id(variable)] = handle
+
+    def remove(self):
+        """Takes the hooks off the variables."""
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
+    def arm(self):
+        """Arms the next backward pass to release its gradients."""
+        if self._released:
+            raise RuntimeError(
+                "release_gradients=True: a step was armed again before the "
+                "last one ended. `optimizer.apply` must follow each "
+                "backward pass (Keras' trainers call it)."
+            )
+        self._armed = bool(self._hooked)
+        self._step = None
+
+    def disarm(self):
+        """Disarms a step in which no gradient was released."""
+        self._armed = False
+        self._step = None
+
+    def _on_gradient(self, variable, grad):
+        """Updates `variable` from its finished gradient; True if it did
+        (the hook then frees the gradient)."""
+        if not self._armed or grad is None:
+            return False
+        if id(variable) in self._released:
+            raise RuntimeError(
+                "release_gradients=True updates each variable once a step, "
+                "from one backward pass: a second backward pass before "
+                "`optimizer.apply` (gradients accumulated by hand) would "
+                "update it twice. Accumulate with release_gradients=False. "
+                f"Received: a second gradient for {variable.path!r}"
+            )
+        if self._step is None:
+            self._step = self._wrapper._begin_released_step()
+        self._released.add(id(variable))
+        self._wrapper._release_update(grad, variable, self._step)
+        return True
+
+    def finish(self, grads, variables):
+        """Ends a released step in `apply`: updates the variables whose
+        gradient was not released (the caller passes it), then advances
+        the step count once."""
+        for grad, variable in zip(grads, variables, strict=True):
+            if grad is not None and id(variable) not in self._released:
+                self._wrapper._release_update(grad, variable, self._step)
+        self._wrapper.inner_optimizer._iterations.assign_add(1)
+        self._released.clear()
+        self._armed = False
+        self._step = None
+
+
+def check_release_gradients(release_gradients, inner_optimizer):
+    """Returns `release_gradients` if a bool the inner optimizer allows,
+    else raises."""
+    if not isinstance(release_gradients, bool):
+        raise TypeError(
+            "`release_gradients` must be True or False. Received: "
+            f"release_gradients={release_gradients!r} (of type "
+            f"{type(release_gradients).__name__})"
+        )
+    if release_gradients and inner_optimizer.global_clipnorm is not None:
+        raise ValueError(
+            "release_gradients=True updates each variable before the next "
+            "gradient exists, and `global_clipnorm` needs the norm of all "
+            "of them first. Clip each gradient (`clipnorm`, `clipvalue`) or "
+            "keep release_gradients=False. Received: global_clipnorm="
+            f"{inner_optimizer.global_clipnorm!r}"
+        )
+    return release_gradients
+
+
+def is_releasing(optimizer):
+    """True where `optimizer` releases its gradients in the backward pass."""
+    return bool(getattr(optimizer, "release_gradients", False)) and isinstance(
+        optimizer, keras.optimizers.Optimizer
+    )
