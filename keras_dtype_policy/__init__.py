@@ -47,6 +47,7 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
     from keras_dtype_policy.tools.lost_updates import lost_updates
+    from keras_dtype_policy.tools.memory_plan import plan
     from keras_dtype_policy.tools.nonfinite import find_nonfinite
 
     # Aliases: one object, several names. Keras 3's own alias first:
@@ -89,6 +90,7 @@ __all__ = [
     "lost_updates",
     "mixed_precision",
     "model_from_json",
+    "plan",
     "policy_scope",
     "precision_scope",
     "set_dtype_policy",

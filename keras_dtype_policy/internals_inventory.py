@@ -383,6 +383,12 @@ KERAS_INTERNALS = (
                 "Defines the trainer class that compile is patched on.",
             ),
             (
+                "keras.src.backend.common",
+                "global_state",
+                "tools.memory_plan_models",
+                "Where Keras lists the variables a stateless scope deferred.",
+            ),
+            (
                 "keras.src.models.functional",
                 "Functional",
                 "policies.introspection tf_keras_compat.config_translation",

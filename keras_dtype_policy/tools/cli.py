@@ -6,7 +6,7 @@ a backend that does not import, a damaged or hostile file) prints one line,
 `keras-dtype-policy: error: ...`, on standard error and exits with status 2
 for a bad command line and 1 for anything else, without a traceback.
 `--help` and `--version` need no backend: the commands (`cli_machine`,
-`cli_model_files`, `cli_numerics`) import Keras only when they run.
+`cli_model_files`, `cli_numerics`, `cli_plan`) import Keras only when they run.
 
 Output is plain lines where standard output is no terminal or `NO_COLOR` is
 set (see `terminal`); at a terminal the demo shows Keras' progress bar.
@@ -20,6 +20,7 @@ from keras_dtype_policy import backend_check
 from keras_dtype_policy.tools import cli_machine
 from keras_dtype_policy.tools import cli_model_files
 from keras_dtype_policy.tools import cli_numerics
+from keras_dtype_policy.tools import cli_plan
 from keras_dtype_policy.tools.cli_arguments import FAILURE
 from keras_dtype_policy.tools.cli_arguments import NONFINITE
 from keras_dtype_policy.tools.cli_arguments import UNSAFE
@@ -65,6 +66,7 @@ def build_parser():
     cli_machine.add_doctor(commands)
     cli_numerics.add_audit(commands)
     cli_numerics.add_find_nonfinite(commands)
+    cli_plan.add_plan(commands)
     return parser
 
 

@@ -78,6 +78,7 @@ def test_all_lists_keras_3_names_and_the_packages_own():
         "set_dtype_policy",
         "global_policy",
         "shard_optimizer_state",
+        "plan",
     ):
         assert name in kdp.__all__
     assert all(hasattr(kdp, name) for name in kdp.__all__)

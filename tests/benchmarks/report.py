@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from tests.benchmarks import hub_quality_report
+from tests.benchmarks import memory_plan_report
 from tests.benchmarks import peak_memory_report
 from tests.benchmarks import quantized_state_report
 from tests.benchmarks.sizes import ARMS
@@ -98,6 +99,7 @@ def render_backend(result):
         ("hub_quality", hub_quality_report.section),
         ("quantized_state_memory", quantized_state_report.section),
         ("peak_memory", peak_memory_report.section),
+        ("memory_plan", memory_plan_report.section),
     )
     for key, section in sections:
         if key in result:

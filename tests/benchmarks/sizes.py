@@ -18,6 +18,7 @@ BENCHMARKS = (
     "hub_quality",
     "quantized_state_memory",
     "peak_memory",
+    "memory_plan",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

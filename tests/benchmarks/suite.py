@@ -19,6 +19,7 @@ from tests.benchmarks import low_precision
 from tests.benchmarks import low_precision_speed
 from tests.benchmarks import machine
 from tests.benchmarks import memory
+from tests.benchmarks import memory_plan_check
 from tests.benchmarks import peak_memory
 from tests.benchmarks import quantized_state_memory
 from tests.benchmarks import scaling_cost
@@ -70,6 +71,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
             name, sizes, threads
         ),
         "peak_memory": lambda: peak_memory.run(name, sizes, threads),
+        "memory_plan": lambda: memory_plan_check.run(name, sizes, threads),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:

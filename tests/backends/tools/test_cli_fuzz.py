@@ -153,6 +153,7 @@ def test_mutated_model_files(source, truncate, flipped):
         path = directory / f"model{source.suffix}"
         path.write_bytes(bytes(data))
         run("inspect", path)
+        run("plan", path, "--batch-size", "8")
         assert_migrate_clean(path, directory)
 
 
@@ -223,6 +224,7 @@ def test_mutated_keras_configs(edits):
         path = directory / "model.keras"
         write_keras(path, members)
         run("inspect", path)
+        run("plan", path, "--batch-size", "8")
         assert_migrate_clean(path, directory)
 
 
@@ -282,6 +284,9 @@ tokens = st.sampled_from(
         "migrate",
         "audit",
         "find-nonfinite",
+        "plan",
+        "--batch-size",
+        "--budget",
         "--json",
         "--force",
         "--policy",
