@@ -7,7 +7,11 @@ model never exist at once (torchtune's "optimizer in backward"). A step
 is armed by `scale_loss`, which Keras' torch trainer calls right before
 `loss.backward()`; the backward pass then runs the updates (one hook a
 variable, `torch_release`), and the trainer's `apply`, which finds no
-gradient left, ends the step (the step count advances once). A backward
+gradient left, ends the step (the step count advances once). The
+finished gradients are taken off their variables at once and updated in
+buckets of at most `BUCKET_ELEMENTS` elements (a larger variable alone),
+so each update call covers about as much as a group of the usual step
+does, and at most a bucket of gradients waits at any time. A backward
 pass that no `scale_loss` armed (a gradient computed for another purpose,
 a custom loop that does not call it) updates nothing: its gradients stay,
 and `apply` runs the usual step on them.
@@ -29,6 +33,11 @@ import warnings
 import keras
 
 from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy.low_precision import block_codes
+
+# The most elements of gradients that wait for their update together
+# (`torch_step.TORCH_GROUP_ELEMENTS`, a group of the usual step).
+BUCKET_ELEMENTS = 2**20
 
 
 class ReleasedStep(typing.NamedTuple):
@@ -57,6 +66,8 @@ class GradientRelease:
         self._armed = False
         self._step = None
         self._released = set()
+        self._waiting = []
+        self._waiting_elements = 0
 
     @property
     def open(self):
@@ -122,16 +133,37 @@ class GradientRelease:
         if self._step is None:
             self._step = self._wrapper._begin_released_step()
         self._released.add(id(variable))
-        self._wrapper._release_update(grad, variable, self._step)
+        self._waiting.append((grad, variable))
+        self._waiting_elements += block_codes.element_count(variable.shape)
+        if self._waiting_elements >= BUCKET_ELEMENTS:
+            self._update_waiting()
         return True
+
+    def _update_waiting(self):
+        """Updates the variables whose gradients wait, and drops those."""
+        if self._waiting:
+            grads, variables = zip(*self._waiting, strict=True)
+            self._waiting = []
+            self._waiting_elements = 0
+            self._wrapper._release_updates(
+                list(grads), list(variables), self._step
+            )
 
     def finish(self, grads, variables):
         """Ends a released step in `apply`: updates the variables whose
         gradient was not released (the caller passes it), then advances
         the step count once."""
-        for grad, variable in zip(grads, variables, strict=True):
-            if grad is not None and id(variable) not in self._released:
-                self._wrapper._release_update(grad, variable, self._step)
+        self._update_waiting()
+        left = [
+            (grad, variable)
+            for grad, variable in zip(grads, variables, strict=True)
+            if grad is not None and id(variable) not in self._released
+        ]
+        if left:
+            left_grads, left_variables = zip(*left, strict=True)
+            self._wrapper._release_updates(
+                list(left_grads), list(left_variables), self._step
+            )
         self._wrapper.inner_optimizer._iterations.assign_add(1)
         self._released.clear()
         self._armed = False

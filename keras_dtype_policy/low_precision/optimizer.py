@@ -355,25 +355,28 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             noise = torch_step.step_noise(self)
         return gradient_release.ReleasedStep(inner.learning_rate, noise)
 
-    def _release_update(self, grad, variable, step):
-        """Updates one variable of a released step from its gradient,
+    def _release_updates(self, grads, variables, step):
+        """Updates variables of a released step from their gradients,
         unscaled and clipped as `_prepare_step` does."""
         inner = self.inner_optimizer
+        views = self._targets.views
         with keras.name_scope(inner.name, caller=inner):
-            if _clips(inner) and id(variable) in self._targets.views:
-                grad = ops.cast(grad, "float32")
+            if _clips(inner):
+                grads = [
+                    ops.cast(g, "float32") if id(v) in views else g
+                    for g, v in zip(grads, variables, strict=True)
+                ]
             scale = inner.loss_scale_factor
             if scale is not None:
-                grad = grad / scale
-            grad = inner._clip_gradients([grad])[0]
-            if not self._targets.views:
+                grads = [g / scale for g in grads]
+            grads = inner._clip_gradients(grads)
+            if not views:
                 # No view: the usual step is the inner optimizer's own.
-                inner._apply_weight_decay([variable])
-                inner._backend_update_step(
-                    [grad], [variable], step.learning_rate
-                )
+                inner._apply_weight_decay(variables)
+                rate = step.learning_rate
+                inner._backend_update_step(grads, variables, rate)
                 return
-            self._run_updates([grad], [variable], step.learning_rate, step)
+            self._run_updates(grads, variables, step.learning_rate, step)
 
     def _run_updates(self, grads, variables, learning_rate, step=None):
         """The per-variable updates of `variables` (all, or a group), of

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from tests.benchmarks import hub_peak_memory_report
 from tests.benchmarks import hub_quality_report
 from tests.benchmarks import memory_plan_report
 from tests.benchmarks import peak_memory_report
@@ -100,6 +101,7 @@ def render_backend(result):
         ("quantized_state_memory", quantized_state_report.section),
         ("peak_memory", peak_memory_report.section),
         ("memory_plan", memory_plan_report.section),
+        ("hub_peak_memory", hub_peak_memory_report.section),
     )
     for key, section in sections:
         if key in result:

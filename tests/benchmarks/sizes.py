@@ -19,6 +19,7 @@ BENCHMARKS = (
     "quantized_state_memory",
     "peak_memory",
     "memory_plan",
+    "hub_peak_memory",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

@@ -12,6 +12,7 @@ import keras
 from tests.benchmarks import audit
 from tests.benchmarks import backend_support
 from tests.benchmarks import float8_training
+from tests.benchmarks import hub_peak_memory
 from tests.benchmarks import hub_quality
 from tests.benchmarks import layer_call
 from tests.benchmarks import loss_scaling
@@ -72,6 +73,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         ),
         "peak_memory": lambda: peak_memory.run(name, sizes, threads),
         "memory_plan": lambda: memory_plan_check.run(name, sizes, threads),
+        "hub_peak_memory": lambda: hub_peak_memory.run(name, sizes, threads),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:

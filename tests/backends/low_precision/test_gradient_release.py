@@ -21,6 +21,7 @@ from testing import BACKEND
 from testing import to_numpy
 
 import keras_dtype_policy as kdp
+from keras_dtype_policy.low_precision import gradient_release
 
 TORCH_ONLY = pytest.mark.skipif(
     BACKEND != "torch",
@@ -136,29 +137,43 @@ def test_random_rounding_lands_on_the_same_neighbours(settings):
 
 
 @TORCH_ONLY
-def test_gradients_are_freed_before_the_backward_pass_ends():
+@pytest.mark.parametrize("bucket", [1, 2000])
+def test_updates_run_inside_the_backward_pass(monkeypatch, bucket):
+    # Buckets of one variable, or of several (the model has ~7.5k
+    # elements; the default bucket, 2**20, would hold them all).
+    monkeypatch.setattr(gradient_release, "BUCKET_ELEMENTS", bucket)
     model = trained(RANDOM["stochastic_bfloat16_8bit"], release=True)
     first_kernel = model.layers[0].kernel
+    last_kernel = model.layers[1].kernel
     others = [v for v in model.trainable_variables if v is not first_kernel]
     seen = []
 
     def look(_):
-        # Runs after the package's hook on the same tensor: by then the
-        # gradients of every later layer are freed.
-        seen.append([v.value.grad is None for v in others])
+        # Runs after the package's hook on the same tensor, while the
+        # backward pass is still running (the first layer's gradient is
+        # the last one finished).
+        seen.append(
+            (
+                [v.value.grad is None for v in others],
+                not np.array_equal(to_numpy(last_kernel), last_before[-1]),
+            )
+        )
 
     handle = first_kernel.value.register_post_accumulate_grad_hook(look)
+    last_before = []
     try:
-        before = weights(model)
-        trained(None, release=True, model=model)
+        for _ in range(2):
+            last_before.append(to_numpy(last_kernel))
+            x, y = data()
+            model.train_on_batch(x[:16], y[:16])
     finally:
         handle.remove()
-    assert seen and all(all(row) for row in seen)
+    assert len(seen) == 2
+    for freed, last_moved in seen:
+        assert all(freed)
+        # The last layer's update already ran in the backward pass.
+        assert last_moved
     assert all(v.value.grad is None for v in model.trainable_variables)
-    assert any(
-        not np.array_equal(a, b)
-        for a, b in zip(before, weights(model), strict=True)
-    )
 
 
 @TORCH_ONLY
@@ -253,3 +268,34 @@ def test_conflicts_are_refused():
         kdp.LossScaleOptimizer(releasing)
     with pytest.raises(ValueError, match="must see every gradient"):
         kdp.LossScaleOptimizer(releasing, dynamic=False, initial_scale=8.0)
+
+
+@TORCH_ONLY
+@pytest.mark.slow  # torch.compile of two train steps: about a minute.
+def test_jit_compile_runs_the_step_between_compiled_parts():
+    # Keras compiles the torch train step with torch.compile; the
+    # wrapper's step runs eagerly between compiled parts (inside the
+    # compiled graph it failed). Compiled and eager gradients differ in
+    # their last bits: the released run is compared with the usual one
+    # under jit_compile.
+    settings = EXACT["kahan_float32_state"]
+    runs, calls = {}, []
+    for release in (False, True):
+        model = trained(settings, release=release, epochs=0)
+        if release:
+            updates = model.optimizer._release_updates
+
+            def counted(grads, variables, step, updates=updates):
+                calls.append(len(variables))
+                return updates(grads, variables, step)
+
+            model.optimizer._release_updates = counted
+        model.compile(model.optimizer, "mse", jit_compile=True)
+        runs[release] = trained(None, release=release, model=model)
+        assert model.optimizer.iterations.numpy() == 4
+    for got, want in zip(
+        weights(runs[True]), weights(runs[False]), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+    # Every variable of every step, released in the backward pass.
+    assert sum(calls) == 4 * len(runs[True].trainable_variables)
