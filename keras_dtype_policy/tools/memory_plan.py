@@ -150,7 +150,10 @@ def _row(model, name, batch_size, budget, backend):
     activations, note = activation_bytes(
         model, batch_size, _itemsize(policy.compute_dtype)
     )
-    working_set, baseline, measured = calibration.step_costs(backend, name)
+    per_parameter, per_variable, baseline, measured = calibration.step_costs(
+        backend, name
+    )
+    variables = sum(1 for v in model.trainable_weights if _is_float(v.dtype))
     notes = [f"activations: {note}"] if note else []
     if not measured:
         notes.append(
@@ -167,18 +170,20 @@ def _row(model, name, batch_size, budget, backend):
         "gradients": trainable * weight_bytes,
         "optimizer_state": round(trainable * (state - weight_bytes)),
         "activations": activations,
-        "working_set": round(trainable * working_set),
+        "working_set": round(
+            trainable * per_parameter + variables * per_variable
+        ),
         "baseline": baseline,
     }
     peak = sum(parts.values())
-    per_parameter = (peak - baseline - activations) / max(trainable, 1)
+    cost = (peak - baseline - activations) / max(trainable, 1)
     return PlanRow(
         configuration=name,
         policy=policy_name,
         **parts,
         peak=peak,
         fits=None if budget is None else peak <= budget,
-        bytes_per_parameter=per_parameter,
+        bytes_per_parameter=cost,
         note="; ".join(notes),
     )
 

@@ -1,20 +1,23 @@
 """What a training step costs beyond its variables, as measured.
 
 A step's peak is more than its weights, gradients and optimizer state:
-the backend casts, copies and fuses, and the process itself costs memory
-before the model exists. Neither follows from first principles, so both
-come from measurements: benchmark 12 (`tests/benchmarks/peak_memory.py`)
-trained Dense stacks 2048 wide, 3, 6 and 12 layers deep, at batch 8 with
-Adam, one fresh process a size, and fitted the process's peak resident
-memory against the parameter count. Here, for each backend and
-configuration:
+the backend casts, copies, compiles and fuses, and the process itself
+costs memory before the model exists. Neither follows from first
+principles, so both come from measurements: benchmark 12
+(`tests/benchmarks/peak_memory.py`) trained Dense stacks 2048 wide, 3, 6
+and 12 layers deep, and 512 wide, 8 and 32 deep, at batch 8 with Adam,
+one fresh process a size, and the process's peak resident memory less
+the ideal (weights, one gradient a weight and the optimizer state) was
+fitted by least squares as a baseline plus a cost a parameter plus a
+cost a trainable variable. Here, for each backend and configuration:
 
-- working set, bytes a parameter: the slope less the ideal (weights, one
-  gradient a weight and the optimizer state). Negative where the backend
-  never holds every gradient at once (XLA fuses each gradient into its
-  update on JAX and TensorFlow at float32).
-- baseline, MiB: the intercept, what the process holds with no model:
-  the interpreter, Keras, the backend and its compiled code.
+- working set a parameter, bytes: negative where the backend never holds
+  every gradient at once (XLA fuses each gradient into its update).
+- working set a variable, bytes: what each trainable variable adds
+  whatever its size (under the package's optimizer, some 5 MiB
+  each on JAX and 12-21 MiB on TensorFlow: its per-variable steps).
+- baseline, MiB: what the process holds with no model: the interpreter,
+  Keras, the backend and its compiled code.
 
 Measured on a 2-core Intel Xeon @ 2.50GHz (one core used, one thread),
 keras 3.15.1, jax 0.10.2, torch 2.13.0+cpu, tensorflow-cpu 2.21.0, on the
@@ -30,56 +33,60 @@ MACHINE = (
 # The backend whose figures stand in for a backend not measured.
 FALLBACK_BACKEND = "jax"
 
-# backend: configuration: (working set in bytes a parameter, baseline MiB).
+# backend: configuration: (working set a parameter in bytes, working set a
+# trainable variable in MiB, baseline in MiB).
 CPU_STEP_COSTS = {
     "jax": {
-        "float32": (-3.80, 425),
-        "mixed_bfloat16": (0.15, 403),
-        "kahan_bfloat16": (4.08, 406),
-        "stochastic_bfloat16": (5.16, 390),
-        "stochastic_bfloat16_8bit": (4.30, 427),
-        "kahan_bfloat16_8bit": (3.28, 456),
-        "mixed_bfloat16_8bit": (1.35, 429),
-        "stochastic_bfloat16_4bit": (4.26, 427),
+        "float32": (-3.50, 0.07, 413),  # residual <= 11 MiB
+        "mixed_bfloat16": (-0.18, 0.44, 406),  # residual <= 4 MiB
+        "kahan_bfloat16": (1.68, 4.61, 409),  # residual <= 3 MiB
+        "stochastic_bfloat16": (1.63, 6.78, 396),  # residual <= 5 MiB
+        "stochastic_bfloat16_8bit": (1.90, 4.99, 424),  # residual <= 4 MiB
+        "kahan_bfloat16_8bit": (2.05, 2.70, 452),  # residual <= 5 MiB
+        "mixed_bfloat16_8bit": (0.00, 2.85, 426),  # residual <= 4 MiB
+        "stochastic_bfloat16_4bit": (1.77, 5.10, 425),  # residual <= 3 MiB
     },
+    # The package's steps cost 12-21 MiB a trainable variable here.
     "tensorflow": {
-        "float32": (-3.08, 673),
-        "mixed_bfloat16": (-0.90, 652),
-        "kahan_bfloat16": (3.66, 725),
-        "stochastic_bfloat16": (4.98, 708),
-        "stochastic_bfloat16_8bit": (5.79, 731),
-        "kahan_bfloat16_8bit": (4.17, 775),
-        "mixed_bfloat16_8bit": (5.41, 742),
-        "stochastic_bfloat16_4bit": (6.90, 725),
+        "float32": (-2.35, 0.05, 646),  # residual <= 30 MiB
+        "mixed_bfloat16": (-0.46, 0.23, 633),  # residual <= 18 MiB
+        "kahan_bfloat16": (-2.93, 14.28, 706),  # residual <= 18 MiB
+        "stochastic_bfloat16": (-4.59, 19.92, 694),  # residual <= 12 MiB
+        "stochastic_bfloat16_8bit": (-2.96, 18.48, 713),  # residual <= 16 MiB
+        "kahan_bfloat16_8bit": (-1.62, 13.60, 738),  # residual <= 33 MiB
+        "mixed_bfloat16_8bit": (-0.07, 12.27, 719),  # residual <= 21 MiB
+        "stochastic_bfloat16_4bit": (-2.98, 20.87, 705),  # residual <= 17 MiB
     },
     # Keras' own step on PyTorch with float32 weights peaks at about twice
-    # the ideal; the package's fused low-precision steps do not.
+    # the ideal; the package's fused low-precision steps do not. No cost a
+    # variable above the noise (the fit gives -0.7 to 0.05 MiB): width
+    # 2048's slope and intercept alone.
     "torch": {
-        "float32": (17.34, 448),
-        "mixed_bfloat16": (16.00, 476),
-        "kahan_bfloat16": (3.01, 532),
-        "stochastic_bfloat16": (2.01, 535),
-        "stochastic_bfloat16_8bit": (1.06, 552),
-        "kahan_bfloat16_8bit": (2.48, 530),
-        "mixed_bfloat16_8bit": (5.32, 530),
-        "stochastic_bfloat16_4bit": (1.68, 568),
+        "float32": (17.34, 0.0, 448),
+        "mixed_bfloat16": (16.00, 0.0, 476),
+        "kahan_bfloat16": (3.01, 0.0, 532),
+        "stochastic_bfloat16": (2.01, 0.0, 535),
+        "stochastic_bfloat16_8bit": (1.06, 0.0, 552),
+        "kahan_bfloat16_8bit": (2.48, 0.0, 530),
+        "mixed_bfloat16_8bit": (5.32, 0.0, 530),
+        "stochastic_bfloat16_4bit": (1.68, 0.0, 568),
     },
 }
 
 
 def step_costs(backend, configuration):
-    """Returns `(working set a parameter, baseline bytes, measured)`.
+    """Returns `(bytes a parameter, bytes a variable, baseline, measured)`.
 
     Args:
         backend: A Keras backend name.
         configuration: A name of `memory_plan.CONFIGURATIONS`.
 
     Returns:
-        The working set in bytes a parameter, the baseline in bytes, and
-        whether they were measured on this backend (False: another
-        backend's stand in).
+        The working set in bytes a parameter and a trainable variable,
+        the baseline in bytes, and whether they were measured on this
+        backend (False: another backend's stand in).
     """
     measured = backend in CPU_STEP_COSTS
     costs = CPU_STEP_COSTS[backend if measured else FALLBACK_BACKEND]
-    working_set, baseline = costs[configuration]
-    return working_set, baseline * MIB, measured
+    per_parameter, per_variable, baseline = costs[configuration]
+    return per_parameter, per_variable * MIB, baseline * MIB, measured

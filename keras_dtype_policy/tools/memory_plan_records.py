@@ -18,8 +18,9 @@ class PlanRow:
         optimizer_state: Adam's moments (codes and scales where
             quantized) and Kahan's compensation buffers.
         activations: What the step keeps for the backward pass.
-        working_set: The step's casts, copies and temporaries (measured,
-            proportional to the parameters; may be negative).
+        working_set: The step's casts, copies, compiled steps and
+            temporaries (measured: a cost a parameter, which may be
+            negative, and a cost a trainable variable).
         baseline: The process before the model (measured).
         peak: The sum of the above.
         fits: Whether `peak` is within the budget; None without one.

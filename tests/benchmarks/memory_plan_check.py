@@ -2,9 +2,10 @@
 
 `kdp.plan` predicts a training step's peak from the variables' bytes and
 the working set and baseline that benchmark 12 measured on Dense stacks
-2048 wide at batch 8. Here it meets models it was not fitted on: Dense
-stacks 1024 wide, 8 and 24 deep, at batch 64, and an Embedding of 50,000
-rows 512 wide under four Dense layers over 64 tokens, at batch 64. Each
+2048 and 512 wide at batch 8. Here it meets models it was not fitted on:
+Dense stacks 1024 wide, 8 and 24 deep, at batch 64, and an Embedding of
+50,000 rows 512 wide under four Dense layers over 64 tokens, at batch 64.
+Each
 model and configuration trains in a fresh process
 (`memory_plan_probe.py`) that measures its peak resident memory, then
 asks the plan for its prediction. Target: predicted over measured within

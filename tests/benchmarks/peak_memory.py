@@ -18,13 +18,16 @@ The sizes vary the depth (the slope), and the batch (a second slope at a
 larger batch, where activations grow but must not change the slope by
 more than their own bytes); `KDP_BENCHMARK12_ONLY` keeps a
 comma-separated subset of the configurations (mixed_bfloat16 always),
-`KDP_BENCHMARK12_BATCHES` other batch sizes (comma-separated).
+`KDP_BENCHMARK12_BATCHES` other batch sizes (comma-separated),
+`KDP_BENCHMARK12_WIDTH` and `KDP_BENCHMARK12_DEPTHS` another stack (the
+memory plan's calibration adds width 512, depths 8 and 32).
 
 Run alone: `python tests/benchmarks/run.py --backend jax --threads 1
 --only peak_memory`. Importing this module imports no backend and not
 Keras.
 """
 
+import dataclasses
 import os
 
 from tests.benchmarks import memory
@@ -53,6 +56,7 @@ def run(backend, sizes, threads=None):
         the ideal, and the ratios.
     """
     names = subsets.chosen("KDP_BENCHMARK12_ONLY", CONFIGURATIONS, (REFERENCE,))
+    sizes = _shape(sizes)
     batches = _batches(sizes)
     rows = {}
     for name in names:
@@ -87,6 +91,20 @@ def slope(points):
     mean_y = sum(y for _, y in points) / count
     spread = sum((x - mean_x) ** 2 for x, _ in points)
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+
+
+def _shape(sizes):
+    """The sizes with `KDP_BENCHMARK12_WIDTH` and `KDP_BENCHMARK12_DEPTHS`
+    (comma-separated) in place of the stack's width and depths."""
+    width = os.environ.get("KDP_BENCHMARK12_WIDTH")
+    depths = os.environ.get("KDP_BENCHMARK12_DEPTHS")
+    return dataclasses.replace(
+        sizes,
+        peak_width=int(width) if width else sizes.peak_width,
+        peak_depths=tuple(int(d) for d in depths.split(","))
+        if depths
+        else sizes.peak_depths,
+    )
 
 
 def _batches(sizes):

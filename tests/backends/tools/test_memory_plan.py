@@ -83,11 +83,14 @@ def test_the_parts_add_up_to_the_peak(model):
 def test_working_set_and_baseline_are_the_measured_figures(model):
     backend = keras.backend.backend()
     for row in kdp.plan(model, batch_size=8):
-        per_parameter, mib = calibration.CPU_STEP_COSTS[backend][
-            row.configuration
-        ]
-        assert row.working_set == round(PARAMETERS * per_parameter)
-        assert row.baseline == mib * 2**20
+        per_parameter, per_variable, baseline = calibration.CPU_STEP_COSTS[
+            backend
+        ][row.configuration]
+        variables = 2 * DEPTH  # a kernel and a bias a layer
+        assert row.working_set == round(
+            PARAMETERS * per_parameter + variables * per_variable * 2**20
+        )
+        assert row.baseline == baseline * 2**20
 
 
 def test_activations_grow_with_the_batch_in_the_compute_dtype(model):
