@@ -123,6 +123,13 @@ KERAS_INTERNALS = (
     ),
     _internal(
         _OPTIMIZER,
+        "_tracker",
+        f"{_LP}.stand_ins",
+        "What an optimizer adds to its variables; stand-ins kept out.",
+        on_instances=True,
+    ),
+    _internal(
+        _OPTIMIZER,
         "_clip_gradients",
         f"{_LP}.optimizer",
         "Clip as the inner optimizer would (clipnorm, clipvalue).",
@@ -249,6 +256,16 @@ KERAS_INTERNALS = (
         f"{_LP}.stand_ins",
         "A stand-in's own scalar shape, while Keras makes its storage.",
         on_instances=True,
+    ),
+    *(
+        _internal(
+            "keras.src.backend.tensorflow.core.Variable",
+            name,
+            f"{_LP}.stand_ins",
+            "Overridden: TensorFlow's checkpoints save no stand-in.",
+            backend="tensorflow",
+        )
+        for name in ("_serialize_to_tensors", "_restore_from_tensors")
     ),
     _internal(
         _VARIABLE,

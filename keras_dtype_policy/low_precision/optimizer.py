@@ -14,6 +14,7 @@ from keras_dtype_policy.low_precision import gradient_release
 from keras_dtype_policy.low_precision import inner_step
 from keras_dtype_policy.low_precision import optimizer_values
 from keras_dtype_policy.low_precision import quantized_slots
+from keras_dtype_policy.low_precision import stand_ins
 from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.low_precision.float32_views import Float32View
 from keras_dtype_policy.low_precision.float32_views import route_writes
@@ -235,14 +236,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         inner = self.inner_optimizer
         targets = self._targets
         route_writes(inner, self)
+        # A quantized slot's state is its codes and scales, the wrapper's:
+        # the inner optimizer does not track it among its variables.
         with float32_views.building(targets.views.values()):
-            inner.build(targets.order)
-        # Keras tracks the slots the inner optimizer keeps in its lists;
-        # a quantized slot's state is its codes and scales, the wrapper's.
-        tracked = inner._variables
-        for index in reversed(range(len(tracked))):
-            if id(tracked[index]) in targets.quantized_slots:
-                del tracked[index]
+            with stand_ins.untracked(inner):
+                inner.build(targets.order)
 
     def _find_rounded_slots(self):
         """Records the inner optimizer's slots stored in bfloat16 or

@@ -7,7 +7,15 @@ the variable it stands for (its shape, name and path are that value's);
 reads go to the subclass' `stored_value` and writes to its `assign`. Its
 own storage is one float32 scalar, which a `keras.Variable` must have (and
 a distribution lays out like any variable).
+
+A stand-in is never saved: what it stands for is saved in its own right
+(the weight and its compensation buffer, or the codes and scales). Keras'
+files save the optimizer's `variables`, which hold no stand-in;
+TensorFlow's checkpoints, which reach every attribute, find stand-ins in
+the inner optimizer's lists and save nothing of them.
 """
+
+import contextlib
 
 import keras
 from keras import ops
@@ -110,6 +118,40 @@ class StandIn(keras.Variable):
 
     def assign_sub(self, value):
         return self.assign(ops.subtract(self.value, as_float32(value)))
+
+    # `tf.train.Checkpoint` calls these on every variable it reaches;
+    # Keras' would save `self.value`, a computed tensor here.
+    def _serialize_to_tensors(self):
+        return {}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return None
+
+
+@contextlib.contextmanager
+def untracked(optimizer):
+    """Within it, `optimizer` adds no stand-in to its `variables`.
+
+    Keras' optimizer adds every `keras.Variable` set on it (in a list
+    too) to the variables it saves; a stand-in is saved elsewhere. Keeping
+    stand-ins out as they are made leaves the optimizer's lists as Keras
+    made them (TensorFlow refuses to save a tracked list once an item was
+    deleted from it).
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, about to build.
+    """
+    tracker = optimizer._tracker
+    is_variable, store = tracker.config["variables"]
+
+    def is_saved_variable(value):
+        return is_variable(value) and not isinstance(value, StandIn)
+
+    tracker.config["variables"] = (is_saved_variable, store)
+    try:
+        yield
+    finally:
+        tracker.config["variables"] = (is_variable, store)
 
 
 def as_float32(value):
