@@ -267,6 +267,20 @@ KERAS_INTERNALS = (
         )
         for name in ("_serialize_to_tensors", "_restore_from_tensors")
     ),
+    *(
+        _internal(
+            "keras.src.backend.tensorflow.core.Variable",
+            name,
+            f"{_LP}.stand_ins",
+            "Overridden: a SavedModel exports a stand-in's own storage.",
+            backend="tensorflow",
+        )
+        for name in (
+            "_export_to_saved_model_graph",
+            "_copy_trackable_to_cpu",
+            "_write_object_proto",
+        )
+    ),
     _internal(
         _VARIABLE,
         "_layout",

@@ -127,6 +127,27 @@ class StandIn(keras.Variable):
     def _restore_from_tensors(self, restored_tensors):
         return None
 
+    # A SavedModel (`tf.saved_model.save`) exports each variable it
+    # reaches as a copy; Keras' would copy `self.value`, computed here:
+    # the stand-in's own scalar storage is exported instead.
+    def _export_to_saved_model_graph(
+        self, object_map, tensor_map, options, **kwargs
+    ):
+        storage = self._value
+        resources = storage._export_to_saved_model_graph(
+            object_map, tensor_map, options, **kwargs
+        )
+        object_map[self] = object_map[storage]
+        return resources
+
+    def _copy_trackable_to_cpu(self, object_map):
+        storage = self._value
+        storage._copy_trackable_to_cpu(object_map)
+        object_map[self] = object_map[storage]
+
+    def _write_object_proto(self, proto, options):
+        return self._value._write_object_proto(proto, options)
+
 
 @contextlib.contextmanager
 def untracked(optimizer):
