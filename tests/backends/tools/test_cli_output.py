@@ -23,6 +23,14 @@ from keras_dtype_policy.tools import terminal
 
 BACKEND = keras.backend.backend()
 DEMO = ("demo", "--epochs", "2", "--samples", "64", "--policy", "float32")
+# The demo's output (Keras' progress bar, or plain lines) is formatted the
+# same on every backend; each run starts a backend in a process of its
+# own (about 10 s), so these run in the torch env only, for CI time.
+ONE_BACKEND = pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="the demo's terminal output does not depend on the backend: "
+    "checked in the torch env only (a process start each, CI time)",
+)
 
 
 def environment(**extra):
@@ -64,6 +72,7 @@ def run_at_a_terminal(args, env, cwd):
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
+@ONE_BACKEND
 def test_the_demo_through_a_pipe_prints_plain_lines(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "keras_dtype_policy", *DEMO],
@@ -97,12 +106,14 @@ def test_other_commands_off_a_terminal_print_plain_lines(args, monkeypatch):
     assert "\r" not in result.stdout and "\x1b[" not in result.stdout
 
 
+@ONE_BACKEND
 def test_the_demo_at_a_terminal_keeps_the_progress_bar(tmp_path):
     output = run_at_a_terminal(DEMO, environment(), tmp_path)
     assert "\u2501" in output  # the bar
     assert "\x1b[" in output  # Keras colours it
 
 
+@ONE_BACKEND
 def test_no_color_at_a_terminal_prints_plain_lines(tmp_path):
     output = run_at_a_terminal(DEMO, environment(NO_COLOR="1"), tmp_path)
     assert "\x1b[" not in output
