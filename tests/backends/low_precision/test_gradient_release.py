@@ -140,7 +140,7 @@ def test_random_rounding_lands_on_the_same_neighbours(settings):
 @pytest.mark.parametrize("bucket", [1, 2000])
 def test_updates_run_inside_the_backward_pass(monkeypatch, bucket):
     # Buckets of one variable, or of several (the model has ~7.5k
-    # elements; the default bucket, 2**20, would hold them all).
+    # elements; the default bucket would hold them all).
     monkeypatch.setattr(gradient_release, "BUCKET_ELEMENTS", bucket)
     model = trained(RANDOM["stochastic_bfloat16_8bit"], release=True)
     first_kernel = model.layers[0].kernel
