@@ -104,13 +104,28 @@ class GradientRelease:
         self._hooked.clear()
 
     def arm(self):
-        """Arms the next backward pass to release its gradients."""
+        """Arms the next backward pass to release its gradients.
+
+        A step left unfinished (its backward pass interrupted, or no
+        `apply` after it) is abandoned first, with a warning: the
+        variables updated in it keep their update, the gradients still
+        waiting are dropped (the next forward pass has already read the
+        weights, which must not change under it), and the step count
+        advances.
+        """
         if self._released:
-            raise RuntimeError(
-                "release_gradients=True: a step was armed again before the "
-                "last one ended. `optimizer.apply` must follow each "
-                "backward pass (Keras' trainers call it)."
+            warnings.warn(
+                "release_gradients=True: the last step ended without "
+                "`optimizer.apply` (an interrupted backward pass?) after "
+                f"{len(self._released) - len(self._waiting)} variable(s) "
+                f"were updated; {len(self._waiting)} waiting gradient(s) "
+                "were dropped, and it counts as a step.",
+                RuntimeWarning,
+                stacklevel=3,
             )
+            self._waiting = []
+            self._waiting_elements = 0
+            self.finish([], [])
         self._armed = bool(self._hooked)
         self._step = None
 

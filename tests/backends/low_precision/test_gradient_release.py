@@ -212,6 +212,23 @@ def test_a_second_backward_pass_before_apply_is_refused():
 
 
 @TORCH_ONLY
+def test_an_interrupted_step_is_ended_by_the_next_one():
+    model = trained(EXACT["kahan_float32_state"], release=True, epochs=0)
+    model.optimizer.build(model.trainable_variables)
+    x, y = data()
+    model.optimizer.scale_loss(keras.ops.convert_to_tensor(1.0))
+    squared_error(model, x, y).backward()
+    # No `apply`: the next step's `scale_loss` abandons this one (its
+    # waiting gradients dropped: the forward pass already read the
+    # weights) and trains on.
+    with pytest.warns(RuntimeWarning, match="waiting gradient"):
+        model.train_on_batch(x[:16], y[:16])
+    assert model.optimizer.iterations.numpy() == 2
+    model.train_on_batch(x[:16], y[:16])
+    assert model.optimizer.iterations.numpy() == 3
+
+
+@TORCH_ONLY
 def test_resume_from_a_file_is_exact(tmp_path):
     settings = RANDOM["stochastic_bfloat16_8bit"]
     straight = trained(settings, release=True, epochs=2)
