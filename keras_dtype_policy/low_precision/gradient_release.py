@@ -29,8 +29,6 @@ compiler frees; there the argument changes nothing (a warning says so).
 import typing
 import warnings
 
-import keras
-
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import block_codes
 
@@ -96,12 +94,6 @@ class GradientRelease:
                 handle = hooks.hook(variable, self._on_gradient)
                 if handle is not None:
                     self._hooked[id(variable)] = handle
-
-    def remove(self):
-        """Takes the hooks off the variables."""
-        for handle in self._hooked.values():
-            handle.remove()
-        self._hooked.clear()
 
     def arm(self):
         """Arms the next backward pass to release its gradients.
@@ -205,10 +197,3 @@ def check_release_gradients(release_gradients, inner_optimizer):
             f"{inner_optimizer.global_clipnorm!r}"
         )
     return release_gradients
-
-
-def is_releasing(optimizer):
-    """True where `optimizer` releases its gradients in the backward pass."""
-    return bool(getattr(optimizer, "release_gradients", False)) and isinstance(
-        optimizer, keras.optimizers.Optimizer
-    )
