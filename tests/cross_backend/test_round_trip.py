@@ -40,21 +40,29 @@ def run_worker(backend, mode, model_path, state_path):
     return json.loads(pathlib.Path(state_path).read_text())
 
 
+class SavedModels(dict):
+    """Each backend's saved model and state, made when first asked for.
+
+    Lazily: the tests run in two worker processes, and each saves only
+    the backends its own share of the pairs loads from.
+    """
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, backend):
+        model_path = self.folder / f"{backend}.keras"
+        state = run_worker(
+            backend, "save", model_path, self.folder / f"{backend}.json"
+        )
+        self[backend] = (model_path, state)
+        return self[backend]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("saved")
-    return {
-        backend: (
-            folder / f"{backend}.keras",
-            run_worker(
-                backend,
-                "save",
-                folder / f"{backend}.keras",
-                folder / f"{backend}.json",
-            ),
-        )
-        for backend in BACKENDS
-    }
+    return SavedModels(tmp_path_factory.mktemp("saved"))
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,10 @@ EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # Every class under both policies in the full runs (`tox -e full-jax`).
 # The default runs load each class once, the policies taking turns along
 # the sorted class list, and Normalization (whose statistics tf.keras wrote
-# to HDF5 as bfloat16) under both; the other half is marked slow.
+# to HDF5 as bfloat16) under both; the other half is marked slow. Those
+# cases rotate across the backends in the default runs (each on one
+# backend; `rotated` in conftest.py): what they check, the translation of
+# tf.keras 2's config and weights, is the same code on every backend.
 CLASSES = sorted(MANIFEST["classes"])
 
 
@@ -54,7 +57,9 @@ CASES = [
     pytest.param(
         name,
         policy,
-        marks=() if runs_by_default(name, policy) else (pytest.mark.slow,),
+        marks=(pytest.mark.rotated,)
+        if runs_by_default(name, policy)
+        else (pytest.mark.slow,),
     )
     for policy in MANIFEST["policies"]
     for name in MANIFEST["classes"]

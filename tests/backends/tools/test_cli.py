@@ -104,6 +104,8 @@ def test_every_command_has_help(command, fragment, capsys):
     assert fragment in capsys.readouterr().out
 
 
+# A process of its own (about 5 s), the same on every backend: `rotated`.
+@pytest.mark.rotated
 def test_the_console_script_runs():
     script = pathlib.Path(sys.executable).parent / "keras-dtype-policy"
     if not script.exists():
@@ -493,6 +495,7 @@ def test_user_errors_are_one_line(args, status, fragment, tmp_path):
     assert result.stdout == ""
 
 
+@pytest.mark.rotated
 def test_a_user_error_is_the_exit_status_of_the_process(tmp_path):
     # The one user error run as a user runs it: `python -m
     # keras_dtype_policy` after Keras imported (test_cli_backends.py has

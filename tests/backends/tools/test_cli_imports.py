@@ -21,6 +21,10 @@ from testing import call_cli
 from testing import cli_error_line
 
 BACKEND = keras.backend.backend()
+# Each test starts a process of its own (about 5 s); finding and importing
+# the user's module does not depend on the backend: one backend each in
+# the default runs (`rotated`, tests/backends/conftest.py).
+pytestmark = pytest.mark.rotated
 LAYERS = """
 import keras
 
