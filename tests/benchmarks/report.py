@@ -12,6 +12,7 @@ from tests.benchmarks import hub_quality_report
 from tests.benchmarks import memory_plan_report
 from tests.benchmarks import peak_memory_report
 from tests.benchmarks import quantized_state_report
+from tests.benchmarks import step_buffers_report
 from tests.benchmarks.sizes import ARMS
 from tests.benchmarks.sizes import KERAS
 from tests.benchmarks.sizes import PLUGIN
@@ -102,6 +103,7 @@ def render_backend(result):
         ("peak_memory", peak_memory_report.section),
         ("memory_plan", memory_plan_report.section),
         ("hub_peak_memory", hub_peak_memory_report.section),
+        ("step_buffers", step_buffers_report.section),
     )
     for key, section in sections:
         if key in result:

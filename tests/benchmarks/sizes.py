@@ -20,6 +20,7 @@ BENCHMARKS = (
     "peak_memory",
     "memory_plan",
     "hub_peak_memory",
+    "step_buffers",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

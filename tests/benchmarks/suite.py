@@ -25,6 +25,7 @@ from tests.benchmarks import peak_memory
 from tests.benchmarks import quantized_state_memory
 from tests.benchmarks import scaling_cost
 from tests.benchmarks import speedup
+from tests.benchmarks import step_buffers
 from tests.benchmarks import threads as thread_limit
 from tests.benchmarks.sizes import BENCHMARKS
 
@@ -74,6 +75,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "peak_memory": lambda: peak_memory.run(name, sizes, threads),
         "memory_plan": lambda: memory_plan_check.run(name, sizes, threads),
         "hub_peak_memory": lambda: hub_peak_memory.run(name, sizes, threads),
+        "step_buffers": lambda: step_buffers.run(name, sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:

@@ -1,0 +1,118 @@
+"""The working set of the compiled JAX step, from XLA's buffer assignment.
+
+`fit` on JAX runs `jax.jit(train_step)` with the state donated. XLA says,
+before anything runs, how many bytes the step's arguments, its outputs'
+reuse of them and its temporaries take. Growing the model by a number of
+parameters must grow the temporaries by no more than the gradients
+(bfloat16 weights: 2 bytes a parameter), and every byte of weights and
+state must be reused in place (no second copy of the state). Benchmark 15
+(tests/benchmarks/step_buffers.py) reports the same figures for every
+configuration; the other backends do not compile the step to one XLA
+computation (TensorFlow's `fit` is a graph unless jit_compile=True,
+PyTorch runs eagerly), so they are measured by benchmark 12 instead.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dtype_policy as kdp
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="XLA's buffer assignment of Keras' compiled step: the JAX "
+    "backend's (benchmark 12 measures the others' peaks)",
+)
+
+WIDTH = 512
+GRADIENT_BYTES = 2  # bfloat16 weights, bfloat16 gradients
+# Block scales, codes' tables and rounding: a sliver a parameter.
+SLACK = 0.25
+QUANTIZED = {
+    "stochastic_8bit": (
+        "stochastic_bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "8bit", "seed": 0},
+    ),
+    "stochastic_4bit": (
+        "stochastic_bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "4bit", "seed": 0},
+    ),
+    "kahan_8bit": (
+        "kahan_bfloat16",
+        {"update": "kahan", "state_dtype": "8bit"},
+    ),
+    "mixed_8bit": (
+        "mixed_bfloat16",
+        {"update": "stochastic_rounding", "state_dtype": "8bit", "seed": 0},
+    ),
+}
+
+
+def step_bytes(policy, arguments, depth):
+    """(parameters, XLA's memory analysis) of the step `fit` compiles."""
+    import jax
+
+    with kdp.policy_scope(policy):
+        model = keras.Sequential(
+            [keras.Input((WIDTH,))]
+            + [keras.layers.Dense(WIDTH) for _ in range(depth)]
+        )
+    optimizer = keras.optimizers.Adam(1e-4)
+    if arguments is not None:
+        optimizer = kdp.LowPrecisionOptimizer(optimizer, **arguments)
+    model.compile(optimizer=optimizer, loss="mean_squared_error")
+    batch = np.ones((8, WIDTH), "float32")
+    model.train_on_batch(batch, batch)
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
+    compiled = (
+        jax.jit(model.train_step, donate_argnums=0)
+        .lower(state, (batch, batch))
+        .compile()
+    )
+    return model.count_params(), compiled.memory_analysis()
+
+
+def bytes_a_parameter(policy, arguments):
+    """XLA's argument, aliased and temporary bytes a parameter added."""
+    small_count, small = step_bytes(policy, arguments, depth=2)
+    large_count, large = step_bytes(policy, arguments, depth=4)
+    added = large_count - small_count
+    return {
+        "arguments": (
+            large.argument_size_in_bytes - small.argument_size_in_bytes
+        )
+        / added,
+        "aliased": (large.alias_size_in_bytes - small.alias_size_in_bytes)
+        / added,
+        "temporaries": (large.temp_size_in_bytes - small.temp_size_in_bytes)
+        / added,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_state_step_holds_only_the_gradients(name):
+    policy, arguments = QUANTIZED[name]
+    measured = bytes_a_parameter(policy, arguments)
+    # Every byte of weights and state is updated in place.
+    assert measured["aliased"] == pytest.approx(measured["arguments"])
+    assert measured["temporaries"] <= GRADIENT_BYTES + SLACK, measured
+
+
+@pytest.mark.parametrize("policy", ["kahan_bfloat16", "stochastic_bfloat16"])
+def test_bfloat16_state_step_holds_no_more_than_keras_own(policy):
+    # Keras' own bfloat16 policy with its Adam: XLA on a CPU computes a
+    # bfloat16 matrix product in float32 and keeps each weight's float32
+    # copy for the backward pass (4 bytes a parameter). The package's
+    # update adds nothing to that working set.
+    keras_own = bytes_a_parameter("bfloat16", None)
+    measured = bytes_a_parameter(policy, None)
+    assert measured["aliased"] == pytest.approx(measured["arguments"])
+    assert measured["temporaries"] <= keras_own["temporaries"] + SLACK, (
+        measured,
+        keras_own,
+    )
