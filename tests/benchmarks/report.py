@@ -10,6 +10,7 @@ from pathlib import Path
 from tests.benchmarks import hub_peak_memory_report
 from tests.benchmarks import hub_quality_report
 from tests.benchmarks import memory_plan_report
+from tests.benchmarks import optimizer_step_report
 from tests.benchmarks import peak_memory_report
 from tests.benchmarks import quantized_state_report
 from tests.benchmarks import step_buffers_report
@@ -104,6 +105,7 @@ def render_backend(result):
         ("memory_plan", memory_plan_report.section),
         ("hub_peak_memory", hub_peak_memory_report.section),
         ("step_buffers", step_buffers_report.section),
+        ("optimizer_step", optimizer_step_report.section),
     )
     for key, section in sections:
         if key in result:

@@ -21,6 +21,7 @@ BENCHMARKS = (
     "memory_plan",
     "hub_peak_memory",
     "step_buffers",
+    "optimizer_step",
 )
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")

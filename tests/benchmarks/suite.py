@@ -21,6 +21,7 @@ from tests.benchmarks import low_precision_speed
 from tests.benchmarks import machine
 from tests.benchmarks import memory
 from tests.benchmarks import memory_plan_check
+from tests.benchmarks import optimizer_step
 from tests.benchmarks import peak_memory
 from tests.benchmarks import quantized_state_memory
 from tests.benchmarks import scaling_cost
@@ -76,6 +77,7 @@ def run(sizes, benchmarks=BENCHMARKS, threads=None, log=None):
         "memory_plan": lambda: memory_plan_check.run(name, sizes, threads),
         "hub_peak_memory": lambda: hub_peak_memory.run(name, sizes, threads),
         "step_buffers": lambda: step_buffers.run(name, sizes),
+        "optimizer_step": lambda: optimizer_step.run(sizes),
     }
     start = time.perf_counter()
     for benchmark in benchmarks:
