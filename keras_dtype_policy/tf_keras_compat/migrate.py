@@ -5,8 +5,12 @@ The model file may also be a SavedModel directory that tf.keras 2 wrote
 
 The model is loaded through this package's translation of tf.keras 2
 configs and saved again by Keras 3, weights and (for a compiled model) the
-optimizer and its state included. What the translation changed is listed by
-comparing the config read from the file with
+optimizer and its state included. The new file names the package's classes
+where the model has them (its policies, its optimizer wrappers), and then
+needs the package to load; with `to_keras` it names Keras' own only
+(`keras_alone.keras_copy`), and Keras alone loads it and trains on.
+What the translation changed is listed by comparing the config read from
+the file with
 `config_translation.translate_model_config` (and `translate_compile_config`
 for the training config of `.h5` files), object by object.
 """
