@@ -38,6 +38,7 @@ from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
 from keras_dtype_policy.tf_keras_compat import load_override
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tf_keras_compat import state_transfer
 from keras_dtype_policy.tf_keras_compat.config_diff import Change
 from keras_dtype_policy.tf_keras_compat.config_diff import config_changes
 from keras_dtype_policy.tf_keras_compat.config_diff import describe_dtype
@@ -248,10 +249,16 @@ def _for_keras(model, policy, changes, notes):
     changes += _policy_changes(model, new, "--to-keras")
     optimizer = getattr(new, "optimizer", None)
     if optimizer is not None:
+        carried = state_transfer.is_built(model.optimizer)
         notes.append(
             "--to-keras: the optimizer is Keras' "
-            f"{type(optimizer).__name__}, its state carried over "
-            "(dequantized; Kahan compensation folded into the weights)"
+            f"{type(optimizer).__name__}, "
+            + (
+                "its state carried over (dequantized; Kahan compensation "
+                "folded into the weights)"
+                if carried
+                else "with fresh state (the loaded one held none yet)"
+            )
         )
     return new
 

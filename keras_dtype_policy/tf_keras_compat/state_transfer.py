@@ -306,6 +306,8 @@ def carry(source, target):
     state = None
     if ours is not None and theirs is not None and is_built(ours):
         state = read_state(ours)
+        if not is_built(theirs):
+            theirs.build(target.trainable_variables)
     writes = [carried_weight(a, ours, b, theirs) for a, b in pairs]
     if state is not None:
         # Checked here, written below: nothing half-done.

@@ -334,7 +334,7 @@ def test_migrate_to_keras_writes_a_file_keras_alone_loads(exported, tmp_path):
     ) in result.stdout
     assert "the optimizer is Keras' Adam" in result.stdout
     loaded = keras.saving.load_model(target)
-    assert type(loaded.optimizer) is keras.optimizers.Adam
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
     assert int(to_numpy(loaded.optimizer.iterations)) == 8
     x, _ = data()
     np.testing.assert_array_equal(
