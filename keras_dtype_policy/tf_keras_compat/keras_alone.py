@@ -22,8 +22,11 @@ the model left as it was:
 import os
 import pathlib
 import tempfile
+import zipfile
 
+import h5py
 import keras
+import ml_dtypes
 import numpy as np
 
 from keras_dtype_policy.policies import keras_nearest
@@ -250,20 +253,27 @@ def _checked_path(path, overwrite):
 
 
 def _save_checked(model, path):
-    """Saves `model` beside `path`, loads it back (as Keras alone would,
-    `safe_mode` on), compares its weights and optimizer variables, then
-    moves it to `path`."""
+    """Saves `model` beside `path`, checks what the file holds, then
+    moves it to `path`.
+
+    The weights are checked by loading the file uncompiled (`safe_mode`
+    on); the optimizer's values by reading them from the file as stored,
+    in order: loading it compiled here would let the package's compile
+    hook rewrap the optimizer, which Keras alone does not do.
+    """
     handle, temporary = tempfile.mkstemp(
         suffix=".keras", prefix=".for-keras-", dir=path.parent
     )
     os.close(handle)
     try:
         model.save(temporary)
-        loaded = keras.saving.load_model(temporary, safe_mode=True)
+        loaded = keras.saving.load_model(
+            temporary, compile=False, safe_mode=True
+        )
         _compare(model.weights, loaded.weights, path)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
-            _compare(optimizer.variables, loaded.optimizer.variables, path)
+            _compare(optimizer.variables, _stored_optimizer(temporary), path)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -271,13 +281,35 @@ def _save_checked(model, path):
         raise
 
 
+def _stored_optimizer(path):
+    """The optimizer's values a `.keras` file stores, in order."""
+    with zipfile.ZipFile(path) as archive:
+        with archive.open("model.weights.h5") as weights:
+            with h5py.File(weights, "r") as stored:
+                group = stored.get("optimizer/vars")
+                if group is None:
+                    return []
+                return [_stored_value(group[str(i)]) for i in range(len(group))]
+
+
+def _stored_value(dataset):
+    """A stored array, in its dtype (Keras marks bfloat16 in an attribute,
+    HDF5 having none)."""
+    if dataset.attrs.get("dtype") == "bfloat16":
+        return np.array(dataset, dtype=ml_dtypes.bfloat16)
+    return dataset[()]
+
+
+def _comparable(value):
+    value = np.asarray(keras.ops.convert_to_numpy(value))
+    if value.dtype == ml_dtypes.bfloat16:
+        return value.astype("float32")
+    return value
+
+
 def _compare(expected, found, path):
     same = len(expected) == len(found) and all(
-        np.array_equal(
-            keras.ops.convert_to_numpy(a),
-            keras.ops.convert_to_numpy(b),
-            equal_nan=True,
-        )
+        np.array_equal(_comparable(a), _comparable(b), equal_nan=True)
         for a, b in zip(expected, found, strict=True)
     )
     if not same:

@@ -6,7 +6,8 @@ Never imports keras_dtype_policy (and fails if anything did). For each
 WORK_DIR/exported_*.keras it loads the file (`safe_mode` on), predicts
 WORK_DIR/x.npy, then trains one epoch on (x.npy, y.npy), and writes
 WORK_DIR/read_<name>.npz: the predictions, the layers' policies, the
-optimizer's class, step count and variables (by path) as loaded, the loss
+optimizer's class, step count, `loss_scale_factor` and variables (by
+path) as loaded, the loss
 and step count after training. Then it trains, under Keras' "bfloat16" and
 "mixed_bfloat16" policies, a model of its own, saved as
 WORK_DIR/alone_<policy>.keras with its predictions in
@@ -34,6 +35,7 @@ def read(path, x, y):
         "policies": np.array(json.dumps(layer_policies(model))),
         "optimizer": np.array(type(optimizer).__name__),
         "iterations": keras.ops.convert_to_numpy(optimizer.iterations),
+        "loss_scale_factor": np.array(optimizer.loss_scale_factor or 0.0),
     }
     for variable in optimizer.variables:
         value = keras.ops.convert_to_numpy(

@@ -41,9 +41,9 @@ def data():
     return x, y
 
 
-def package_model(policy):
+def package_model(policy, optimizer=None):
     """A model whose first Dense (8192 weights: coded state) trains under
-    `policy`, its head in float32."""
+    `policy`, its head in float32, with Adam (or `optimizer`)."""
     keras.utils.set_random_seed(1)
     model = keras.Sequential(
         [
@@ -53,7 +53,7 @@ def package_model(policy):
         ],
         name="model",
     )
-    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.compile(optimizer or keras.optimizers.Adam(0.01), "mse")
     x, y = data()
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     return model
@@ -108,6 +108,15 @@ def exported(tmp_path_factory):
         mixed, work_dir / "exported_as_mixed.keras", policy="mixed_bfloat16"
     )
     models["as_mixed"] = (mixed, None)
+    keras.utils.clear_session()
+    fixed = package_model(
+        "kahan_float16",
+        kdp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), dynamic=False, initial_scale=128.0
+        ),
+    )
+    kdp.save_for_keras(fixed, work_dir / "exported_fixed_scale.keras")
+    models["fixed_scale"] = (fixed, to_numpy(fixed.predict(x, verbose=0)))
     result = run_json_worker(WORKER, work_dir)
     assert result["package_imported"] is False
     assert sorted(result["read"]) == sorted(models)
@@ -171,6 +180,19 @@ def test_keras_alone_gets_the_dequantized_state_and_trains_on(exported, policy):
         assert iterations < trained <= iterations + 4
     else:
         assert trained == iterations + 4
+
+
+def test_a_fixed_loss_scale_becomes_the_optimizers_loss_scale_factor(
+    exported,
+):
+    work_dir, models = exported
+    read = np.load(work_dir / "read_fixed_scale.npz")
+    model, predictions = models["fixed_scale"]
+    assert str(read["optimizer"]) == "Adam"
+    assert float(read["loss_scale_factor"]) == 128.0
+    assert int(read["iterations"]) == int(to_numpy(model.optimizer.iterations))
+    np.testing.assert_array_equal(read["predictions"], predictions)
+    assert np.isfinite(float(read["loss"]))
 
 
 def test_a_mixed_policy_file_holds_weight_plus_compensation_exactly(
