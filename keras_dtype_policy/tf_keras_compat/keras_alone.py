@@ -103,7 +103,7 @@ def keras_copy(model, policy=None):
     chooser = _chooser(model, _checked_policy(policy))
     new = rules_application.rebuild(model, chooser, compile_again=False)
     if model.compiled:
-        config = model.get_compile_config() or {}
+        config = dict(model.get_compile_config() or {})
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             config["optimizer"] = keras.optimizers.serialize(

@@ -94,8 +94,12 @@ def exported(tmp_path_factory):
         model = package_model(policy)
         weights = [to_numpy(w).copy() for w in model.weights]
         state = optimizer_values(model)
+        compile_config = model.get_compile_config()
         path = work_dir / f"exported_{policy}.keras"
         assert kdp.save_for_keras(model, path) == path
+        assert model.get_compile_config() == compile_config
+        assert isinstance(model.optimizer, keras.optimizers.Optimizer)
+        assert type(model.layers[0].dtype_policy) is kdp.DTypePolicy
         # The model itself is as it was.
         for before, after in zip(weights, model.weights, strict=True):
             np.testing.assert_array_equal(before, to_numpy(after))
