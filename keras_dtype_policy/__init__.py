@@ -44,6 +44,7 @@ if _backend_error is None:
     from keras_dtype_policy.policies.rules_application import precision_scope
     from keras_dtype_policy.tf_keras_compat import legacy_policy_configs  # noqa: F401
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
+    from keras_dtype_policy.tf_keras_compat.keras_alone import save_for_keras
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
     from keras_dtype_policy.tools.audit import audit
     from keras_dtype_policy.tools.lost_updates import lost_updates
@@ -93,6 +94,7 @@ __all__ = [
     "plan",
     "policy_scope",
     "precision_scope",
+    "save_for_keras",
     "set_dtype_policy",
     "set_global_policy",
     "shard_optimizer_state",

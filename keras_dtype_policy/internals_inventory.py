@@ -98,7 +98,8 @@ KERAS_INTERNALS = (
     _internal(
         _OPTIMIZER,
         "_learning_rate",
-        f"loss_scaling.optimizer_state {_LP}.optimizer {_LP}.optimizer_values",
+        f"loss_scaling.optimizer_state {_LP}.optimizer {_LP}.optimizer_values "
+        "tf_keras_compat.state_transfer",
         "The learning rate as given (a Variable or a schedule).",
         on_instances=True,
     ),

@@ -137,3 +137,29 @@ def kahan_write(weight, compensation, value):
     residual = ops.subtract(value, ops.cast(rounded, "float32"))
     weight.assign(rounded)
     compensation.assign(ops.cast(residual, compensation.dtype))
+
+
+def kahan_fold(weight, compensation):
+    """Returns the weight's dtype value nearest to weight + compensation.
+
+    Where the sum lies halfway between the weight and its neighbour (the
+    compensation rounded up to half an ulp), the weight is kept: it is
+    what the last `kahan_write` rounded the sum to. After `kahan_write`
+    the result is the weight itself; it differs only where the weight was
+    set without its compensation.
+
+    Args:
+        weight: A bfloat16 or float16 tensor.
+        compensation: Its compensation, of the same shape.
+
+    Returns:
+        A tensor of the weight's dtype.
+    """
+    total = kahan_read(weight, compensation)
+    rounded = ops.cast(total, weight.dtype)
+    kept = ops.cast(weight, "float32")
+    tie = ops.equal(
+        ops.abs(ops.subtract(total, kept)),
+        ops.abs(ops.subtract(total, ops.cast(rounded, "float32"))),
+    )
+    return ops.where(tie, weight, rounded)

@@ -132,9 +132,11 @@ class QuantizedSlot(StandIn):
             self.working = value
         return value
 
-    def store(self, value):
-        """Quantizes float32 `value` (the slot's shape) into the codes."""
-        seed = self.owner.state_rounding_seed()
+    def store(self, value, nearest=False):
+        """Quantizes float32 `value` (the slot's shape) into the codes:
+        to the nearer level with `nearest` (a value carried over from
+        another optimizer), else as the owner's steps round."""
+        seed = None if nearest else self.owner.state_rounding_seed()
         codes, scales = block_codes.quantize(
             _padded_flat(value, self.size, self.code), self.code, seed
         )

@@ -204,7 +204,7 @@ def float32_is_pinned(model):
     )
 
 
-def rebuild(model, chooser, with_paths=False):
+def rebuild(model, chooser, with_paths=False, compile_again=True):
     """Returns a copy of `model` with each layer's policy from `chooser`.
 
     A functional model in the copy (a keras-hub backbone or task too)
@@ -222,6 +222,8 @@ def rebuild(model, chooser, with_paths=False):
             `with_paths`, else None.
         with_paths: Whether `chooser` needs paths (the copy is then built
             twice).
+        compile_again: Whether a compiled `model`'s copy is compiled from
+            its compile config (else it is left uncompiled).
 
     Returns:
         A new `keras.Model`, with `model`'s weights.
@@ -245,7 +247,8 @@ def rebuild(model, chooser, with_paths=False):
         new = _deserialize(model, config)
     _copy_weights(model, new)
     _set_container_policies(new, choices)
-    compile_config = model.get_compile_config() if model.compiled else None
+    compiled = model.compiled and compile_again
+    compile_config = model.get_compile_config() if compiled else None
     if compile_config:
         new.compile_from_config(_without_needless_scaling(compile_config, new))
     return new

@@ -7,12 +7,14 @@ replaced and the weights cast where a variable's dtype changes.
 """
 
 import os
+import warnings
 
 import keras
 
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tf_keras_compat import state_transfer
 
 
 def load_model(
@@ -39,7 +41,12 @@ def load_model(
     Returns:
         The model. With neither `policy` nor `rules` it is the model as
         saved; otherwise a rebuilt one, compiled again from the file's
-        compile config if it had one (the optimizer starts afresh).
+        compile config if it had one, with the saved optimizer state in
+        the new configuration's form (a `.keras` file's: slots quantized
+        to 8 or 4 bits, or rounded, as the new policy keeps them; float32
+        weights split into bfloat16 weights and their Kahan compensation;
+        the step count kept). State that does not fit the new optimizer
+        is left behind with a warning, the optimizer starting afresh.
 
     Raises:
         ModelFileError: if the file is not a model or does not load.
@@ -56,7 +63,34 @@ def load_model(
     model, _ = model_files.load_model(model_files.read_model_file(path))
     if chosen is None:
         return model
-    return rules_application.apply_rules(model, chosen, keep_float32)
+    new = rules_application.apply_rules(model, chosen, keep_float32)
+    carry_state(model, new)
+    return new
+
+
+def carry_state(model, new):
+    """Gives `new`, a rebuilt copy of `model`, `model`'s training state
+    (see `state_transfer.carry`).
+
+    Returns:
+        None where the optimizer state was carried over (or there was
+        none to carry); else why the optimizer starts afresh, also
+        warned (a `UserWarning`).
+    """
+    try:
+        state_transfer.carry(model, new)
+    except ValueError as error:
+        reason = f"the saved optimizer state is not carried over: {error}"
+        warnings.warn(
+            f"{reason}. The optimizer starts afresh.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return reason
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not state_transfer.is_built(optimizer):
+        return "the loaded optimizer holds no state yet"
+    return None
 
 
 def override_rules(policy, rules):

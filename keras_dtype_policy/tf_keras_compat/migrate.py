@@ -5,8 +5,12 @@ The model file may also be a SavedModel directory that tf.keras 2 wrote
 
 The model is loaded through this package's translation of tf.keras 2
 configs and saved again by Keras 3, weights and (for a compiled model) the
-optimizer and its state included. What the translation changed is listed by
-comparing the config read from the file with
+optimizer and its state included. The new file names the package's classes
+where the model has them (its policies, its optimizer wrappers), and then
+needs the package to load; with `to_keras` it names Keras' own only
+(`keras_alone.keras_copy`), and Keras alone loads it and trains on.
+What the translation changed is listed by comparing the config read from
+the file with
 `config_translation.translate_model_config` (and `translate_compile_config`
 for the training config of `.h5` files), object by object.
 """
@@ -17,6 +21,7 @@ import os
 import pathlib
 import re
 import tempfile
+import warnings
 from typing import NamedTuple
 
 import keras
@@ -28,9 +33,12 @@ from keras_dtype_policy.policies import rules_application
 from keras_dtype_policy.policies.introspection import public_class_name
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tf_keras_compat import file_limits
+from keras_dtype_policy.tf_keras_compat import keras_alone
 from keras_dtype_policy.tf_keras_compat import keras_files
 from keras_dtype_policy.tf_keras_compat import legacy_policy_configs
+from keras_dtype_policy.tf_keras_compat import load_override
 from keras_dtype_policy.tf_keras_compat import model_files
+from keras_dtype_policy.tf_keras_compat import state_transfer
 from keras_dtype_policy.tf_keras_compat.config_diff import Change
 from keras_dtype_policy.tf_keras_compat.config_diff import config_changes
 from keras_dtype_policy.tf_keras_compat.config_diff import describe_dtype
@@ -79,7 +87,7 @@ class Migration:
     optimizer_values: int
 
 
-def migrate(old, new, overwrite=False, policy=None):
+def migrate(old, new, overwrite=False, policy=None, to_keras=False):
     """Rewrites the model file `old` as the Keras 3 `.keras` file `new`.
 
     Args:
@@ -90,6 +98,12 @@ def migrate(old, new, overwrite=False, policy=None):
         policy: A policy name (or `PrecisionRules`) to give every layer
             instead of the file's, the layers it pins to float32 kept (see
             `load_override.load_model`); None keeps the file's policies.
+            The optimizer's state is carried over in the new policy's form.
+        to_keras: Whether to write a file that Keras alone loads and
+            trains on (see `keras_alone.save_for_keras`): each layer gets
+            Keras' policy nearest to its own (or `policy`, which must
+            then be Keras'), the optimizer the Keras one inside the
+            package's wrappers, with its state.
 
     Returns:
         A `Migration`.
@@ -114,7 +128,9 @@ def migrate(old, new, overwrite=False, policy=None):
     adopt_package_policies(model, source.model_config)
     changes = [_with_loaded_policy(change, model) for change in changes]
     notes = [m for m in messages if "loss scale" not in m]
-    if policy is not None:
+    if to_keras:
+        model = _for_keras(model, policy, changes, notes)
+    elif policy is not None:
         model = _override_policy(model, policy, changes, notes)
     notes += _restarted_scale_notes(source, model)
     check_output_size(model, source.path)
@@ -181,24 +197,68 @@ def _override_policy(model, policy, changes, notes):
     except (TypeError, ValueError) as error:
         raise ModelFileError(f"--policy: {error}") from None
     keras_files.build_optimizer(new)
+    changes += _policy_changes(model, new, "--policy")
+    if getattr(new, "optimizer", None) is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            reason = load_override.carry_state(model, new)
+        notes.append(
+            "--policy: the model is compiled again under its new policy; "
+            + (
+                "the optimizer's state is carried over, in the form the "
+                "new policy keeps it"
+                if reason is None
+                else f"{reason}; the optimizer starts afresh"
+            )
+        )
+    return new
+
+
+def _policy_changes(model, new, option):
+    """A `Change` per layer whose policy differs in `new`, a copy of
+    `model` made for `option`."""
     before = {
         layer.path: layer
         for layer in layer_walk.all_layers(model, include_inputs=True)
     }
+    changes = []
     for layer in layer_walk.all_layers(new, include_inputs=True):
         old = before.get(layer.path)
-        if old is not None and old.dtype_policy != layer.dtype_policy:
+        if old is None:
+            continue
+        ours, theirs = old.dtype_policy, layer.dtype_policy
+        if ours != theirs or type(ours) is not type(theirs):
             changes.append(
                 Change(
                     layer.path,
-                    f'policy "{old.dtype_policy.name}" -> '
-                    f'"{layer.dtype_policy.name}" (--policy)',
+                    f"policy {public_class_name(ours)} "
+                    f'"{ours.name}" -> {public_class_name(theirs)} '
+                    f'"{theirs.name}" ({option})',
                 )
             )
-    if getattr(new, "optimizer", None) is not None:
+    return changes
+
+
+def _for_keras(model, policy, changes, notes):
+    """Returns the copy of `model` that `keras_alone` saves for Keras
+    alone, listing each layer's new policy."""
+    try:
+        new = keras_alone.keras_copy(model, policy)
+    except (TypeError, ValueError) as error:
+        raise ModelFileError(f"--to-keras: {error}") from None
+    changes += _policy_changes(model, new, "--to-keras")
+    optimizer = getattr(new, "optimizer", None)
+    if optimizer is not None:
+        carried = state_transfer.is_built(model.optimizer)
         notes.append(
-            "--policy: the model is compiled again under its new policy; "
-            "the optimizer's state starts afresh"
+            "--to-keras: the optimizer is Keras' "
+            f"{type(optimizer).__name__}, "
+            + (
+                "its state carried over (dequantized; Kahan compensation "
+                "folded into the weights)"
+                if carried
+                else "with fresh state (the loaded one held none yet)"
+            )
         )
     return new
 

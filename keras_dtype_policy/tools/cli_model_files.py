@@ -52,7 +52,10 @@ def add_migrate(commands):
         "optimizer and its state for a compiled model (a SavedModel's loss "
         "scale and its counter too). "
         "Prints every change and any loss scale dropped, and checks that "
-        "the new file loads with the same weights.",
+        "the new file loads with the same weights. The new file names the "
+        "package's classes where the model uses them (Keras alone cannot "
+        "load those); --to-keras writes one that Keras alone loads and "
+        "trains on, from a package file too.",
     )
     migrate.add_argument(
         "old",
@@ -67,7 +70,16 @@ def add_migrate(commands):
         "--policy",
         help="give every layer this policy (such as float32 or "
         "mixed_bfloat16), weights cast where a variable's dtype changes; "
-        "layers the file pins to float32 stay float32",
+        "layers the file pins to float32 stay float32; the optimizer state "
+        "is carried over",
+    )
+    migrate.add_argument(
+        "--to-keras",
+        action="store_true",
+        help="write a file Keras alone loads and trains on: each layer "
+        "gets Keras' nearest policy (kahan_bfloat16 -> bfloat16), the "
+        "optimizer is the Keras one inside the package's wrappers, its "
+        "state dequantized and Kahan compensation folded into the weights",
     )
     add_import_option(migrate)
     migrate.set_defaults(handler=run_migrate)
@@ -115,7 +127,11 @@ def run_migrate(args):
     check_model_path(args.old, "OLD")
     try:
         migration = migrate.migrate(
-            args.old, args.new, overwrite=args.force, policy=args.policy
+            args.old,
+            args.new,
+            overwrite=args.force,
+            policy=args.policy,
+            to_keras=args.to_keras,
         )
     except ModelFileError as error:
         raise CommandError(with_hint(error)) from None

@@ -79,6 +79,7 @@ def test_all_lists_keras_3_names_and_the_packages_own():
         "global_policy",
         "shard_optimizer_state",
         "plan",
+        "save_for_keras",
     ):
         assert name in kdp.__all__
     assert all(hasattr(kdp, name) for name in kdp.__all__)
