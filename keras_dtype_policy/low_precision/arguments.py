@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_dtype_policy.low_precision import multi_optimizers
 from keras_dtype_policy.low_precision import optimizer_values
 
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
@@ -20,6 +21,16 @@ def check_inner_optimizer(inner_optimizer, wrapper_class):
             "LowPrecisionOptimizer goes inside a LossScaleOptimizer, not "
             "around one: wrap the inner optimizer first, then the result "
             "in the LossScaleOptimizer. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if multi_optimizers.is_multi_optimizer(inner_optimizer):
+        raise TypeError(
+            "LowPrecisionOptimizer goes inside a MultiOptimizer, around "
+            "each sub-optimizer, not around the MultiOptimizer: it runs one "
+            "inner optimizer's step, and a MultiOptimizer has several. "
+            "Use MultiOptimizer(OptimizerMap(LowPrecisionOptimizer(...), "
+            "{...})); under a low-precision policy, compiling a plain "
+            "MultiOptimizer wraps its sub-optimizers. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
     if isinstance(inner_optimizer, wrapper_class):
