@@ -175,6 +175,10 @@ def _route_low_precision(multi, update):
             return sub
         return wrap_low_precision(sub, *update)
 
+    if multi.built and all(
+        isinstance(sub, LowPrecisionOptimizer) for sub in multi.optimizers
+    ):
+        return multi  # trained, and wrapped already: compiled again
     routed = multi_optimizers.route(multi, wrap)
     if routed is not multi and state_sharding.shards_state(multi):
         state_sharding.shard_optimizer_state(routed)

@@ -71,9 +71,17 @@ def route(multi, wrap):
 
     Raises:
         ValueError: If `multi` holds a `LossScaleOptimizer`, or is built
-            already with sub-optimizers that need wrapping.
+            already (its sub-optimizers cannot be wrapped then).
     """
     check_sub_optimizers(multi)
+    if multi.built:
+        raise ValueError(
+            "A MultiOptimizer that has already trained cannot get the "
+            "wrappers the policy asks for around its sub-optimizers: "
+            "compile with a new MultiOptimizer, or wrap each sub-optimizer "
+            "in a LowPrecisionOptimizer before training. "
+            f"Received: optimizer={multi.name!r} (built)"
+        )
     wrapped: dict[int, keras.optimizers.Optimizer] = {}
 
     def routed(sub):
@@ -91,13 +99,6 @@ def route(multi, wrap):
             return multi
     else:
         new_selector = _RoutedSelector(selector, routed)
-    if multi.built:
-        raise ValueError(
-            "A MultiOptimizer that has already trained cannot get the "
-            "wrappers the policy asks for around its sub-optimizers: "
-            "compile with a new MultiOptimizer. "
-            f"Received: optimizer={multi.name!r} (built)"
-        )
     return type(multi)(
         new_selector, loss_scale_factor=multi.loss_scale_factor, name=multi.name
     )
