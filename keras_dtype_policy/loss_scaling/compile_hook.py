@@ -114,7 +114,7 @@ def choose_optimizers(model, optimizer):
     if update is None or isinstance(optimizer, LowPrecisionOptimizer):
         return _choose_loss_scaling(model, optimizer)
     if multi:
-        wrapped = _route_low_precision(optimizer, update)
+        wrapped = _route_low_precision(model, optimizer, update)
     else:
         wrapped = wrap_low_precision(optimizer, *update)
     training, recorded = _choose_loss_scaling(model, wrapped)
@@ -165,7 +165,7 @@ def wrap_low_precision(optimizer, update, weight_dtype, state_dtype=None):
     )
 
 
-def _route_low_precision(multi, update):
+def _route_low_precision(model, multi, update):
     """A MultiOptimizer's sub-optimizers wrapped as a lone optimizer would
     be under the policy (see `wrap_low_precision`); those already in a
     `LowPrecisionOptimizer` stay as they are."""
@@ -179,7 +179,8 @@ def _route_low_precision(multi, update):
         isinstance(sub, LowPrecisionOptimizer) for sub in multi.optimizers
     ):
         return multi  # trained, and wrapped already: compiled again
-    routed = multi_optimizers.route(multi, wrap)
+    variables = model.trainable_variables if model.built else ()
+    routed = multi_optimizers.route(multi, wrap, variables)
     if routed is not multi and state_sharding.shards_state(multi):
         state_sharding.shard_optimizer_state(routed)
     return routed

@@ -13,6 +13,9 @@ low-precision update policy: it wraps each sub-optimizer as the policy
 would wrap a lone one, and keeps those already wrapped.
 """
 
+from collections.abc import Callable
+from collections.abc import Iterable
+
 import keras
 
 
@@ -55,7 +58,11 @@ def check_sub_optimizers(optimizer: keras.optimizers.Optimizer) -> None:
             )
 
 
-def route(multi, wrap):
+def route(
+    multi: keras.optimizers.Optimizer,
+    wrap: Callable[[keras.optimizers.Optimizer], keras.optimizers.Optimizer],
+    variables: Iterable = (),
+) -> keras.optimizers.Optimizer:
     """Returns `multi` with `wrap` applied to each sub-optimizer.
 
     Args:
@@ -63,6 +70,10 @@ def route(multi, wrap):
         wrap: A function from a sub-optimizer to the optimizer to train it
             with (the sub-optimizer itself where nothing changes). Called
             once per sub-optimizer, however many keys map to it.
+        variables: The variables the optimizer will train, where known:
+            a callable picks their sub-optimizers now, so that they are
+            wrapped outside the compiled step (TensorFlow builds the
+            optimizer inside it).
 
     Returns:
         `multi` itself where `wrap` changes nothing; else a new
@@ -99,21 +110,28 @@ def route(multi, wrap):
             return multi
     else:
         new_selector = _RoutedSelector(selector, routed)
+        for variable in variables:
+            new_selector(variable)
     return type(multi)(
         new_selector, loss_scale_factor=multi.loss_scale_factor, name=multi.name
     )
 
 
 class _RoutedSelector:
-    """A MultiOptimizer's callable with each optimizer it picks wrapped
-    (once per optimizer, for the same result on every call)."""
+    """A MultiOptimizer's callable with each optimizer it picks wrapped,
+    once per optimizer; one answer per variable path, even from a callable
+    that makes a new optimizer at each call."""
 
     def __init__(self, selector, routed):
         self._selector = selector
         self._routed = routed
+        self._picked = {}
 
     def __call__(self, variable):
-        return self._routed(self._selector(variable))
+        path = variable.path
+        if path not in self._picked:
+            self._picked[path] = self._routed(self._selector(variable))
+        return self._picked[path]
 
 
 def _mapped(optimizer):

@@ -76,8 +76,7 @@ def data(samples=32):
 
 def as_numpy(values):
     return [
-        keras.ops.convert_to_numpy(keras.ops.cast(v, "float32"))
-        for v in values
+        keras.ops.convert_to_numpy(keras.ops.cast(v, "float32")) for v in values
     ]
 
 
@@ -96,9 +95,8 @@ def test_compile_wraps_each_sub_optimizer_as_the_policy_asks(policy):
     model.compile(given, "mse")
     multi = multi_of(model.optimizer)
     assert isinstance(multi, keras.optimizers.MultiOptimizer)
-    assert (
-        isinstance(model.optimizer, LossScaleOptimizer)
-        == (kdp.DTypePolicy(policy).compute_dtype == "float16")
+    assert isinstance(model.optimizer, LossScaleOptimizer) == (
+        kdp.DTypePolicy(policy).compute_dtype == "float16"
     )
     second, first = multi.optimizers
     # The user's LowPrecisionOptimizer stays as it is.
@@ -147,7 +145,9 @@ def test_issue_model_trains_saves_and_resumes_exactly(policy, tmp_path):
     # The step after loading trained (the loss is finite and moved).
     assert not all(
         np.array_equal(a, b)
-        for a, b in zip(as_numpy(model.weights), saved_weights(path))
+        for a, b in zip(
+            as_numpy(model.weights), saved_weights(path), strict=True
+        )
     )
 
 
@@ -219,6 +219,22 @@ def test_a_callable_selector_is_wrapped_too():
     }
 
 
+def test_a_callable_making_new_optimizers_is_wrapped_once_a_variable():
+    # Keras' docstring's callable: a new optimizer at every call.
+    def select(variable):
+        if "embedding" in variable.path:
+            return keras.optimizers.Adam(1e-2)
+        return keras.optimizers.SGD(1e-2)
+
+    model = make_model("stochastic_bfloat16")
+    model.compile(keras.optimizers.MultiOptimizer(select), "mse")
+    x, y = data()
+    model.fit(x, y, batch_size=16, verbose=0)
+    subs = model.optimizer.optimizers
+    assert len(subs) == len(model.trainable_variables)
+    assert {type(o) for o in subs} == {LowPrecisionOptimizer}
+
+
 def test_an_already_wrapped_multi_optimizer_is_kept():
     given = keras.optimizers.MultiOptimizer(
         keras.optimizers.OptimizerMap(
@@ -280,3 +296,86 @@ def test_shard_optimizer_state_reaches_the_sub_optimizers():
         assert state_sharding.shards_state(optimizer), optimizer.name
     for sub in routed.optimizers:
         assert state_sharding.shards_state(sub.inner_optimizer)
+
+
+# The package's short form: one LowPrecisionOptimizer whose `state_dtype`
+# maps variable paths to dtypes. It needs no MultiOptimizer (nor Keras
+# 3.15); the tests below run on every Keras the package supports.
+SHORT_FORM = {"embedding/.*": "float32", ".*": "8bit"}
+
+
+def short_form_optimizer(state_dtype=None):
+    return LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2),
+        "stochastic_rounding",
+        state_dtype=SHORT_FORM if state_dtype is None else state_dtype,
+        seed=1,
+    )
+
+
+def test_short_form_decides_per_variable_path():
+    model = make_model("stochastic_bfloat16")
+    model.compile(short_form_optimizer(), "mse")
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    embedding_slots = [
+        v
+        for v in optimizer.inner_optimizer.variables
+        if tuple(v.shape) == (1000, 16)
+    ]
+    assert len(embedding_slots) == 2
+    assert all(v.dtype == "float32" for v in embedding_slots)
+    # The (64, 128) kernel's two slots are 8-bit; the rest is too small.
+    assert len(optimizer.quantized_slots) == 2
+    assert optimizer.state_dtype == SHORT_FORM
+
+
+def test_short_form_state_dtype_for():
+    from keras_dtype_policy.low_precision import arguments
+
+    mapping = arguments.check_state_dtype(
+        {"dense_a/kernel": "bfloat16", "dense.*": "8bit", "emb.*": None}
+    )
+    assert arguments.state_dtype_for(mapping, "dense_a/kernel") == "bfloat16"
+    assert arguments.state_dtype_for(mapping, "dense_a/bias") == "8bit"
+    assert arguments.state_dtype_for(mapping, "embedding/embeddings") is None
+    # A regex matches the whole path, as OptimizerMap's keys do.
+    assert arguments.state_dtype_for(mapping, "x/dense_a/bias") is None
+    assert arguments.state_dtype_for("8bit", "anything") == "8bit"
+
+
+@pytest.mark.parametrize(
+    "state_dtype, error, fragment",
+    [
+        ({"emb.*": "int8"}, ValueError, "Received: state_dtype['emb.*']="),
+        ({"emb.*": 8}, TypeError, "state_dtype['emb.*']=8 (of type int)"),
+        ({"emb[": "8bit"}, ValueError, "state_dtype key 'emb['"),
+        ({3: "8bit"}, TypeError, "state_dtype key 3 (of type int)"),
+        (["8bit"], TypeError, "or a dict from variable-path regexes"),
+    ],
+)
+def test_short_form_errors_name_the_argument(state_dtype, error, fragment):
+    with pytest.raises(error) as raised:
+        short_form_optimizer(state_dtype)
+    assert fragment in str(raised.value)
+
+
+def test_short_form_config_round_trip_and_resume(tmp_path):
+    from testing import assert_serialization_round_trip
+
+    revived = assert_serialization_round_trip(short_form_optimizer())
+    assert revived.state_dtype == SHORT_FORM
+    assert list(revived.state_dtype) == list(SHORT_FORM)
+    x, y = data()
+    model = make_model("stochastic_bfloat16")
+    model.compile(short_form_optimizer(), "mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.state_dtype == SHORT_FORM
+    for each in (model, loaded):
+        each.fit(x[:16], y[:16], batch_size=16, verbose=0, shuffle=False)
+    for a, b in zip(
+        as_numpy(model.weights), as_numpy(loaded.weights), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
