@@ -94,6 +94,10 @@ def choose_optimizers(model, optimizer):
     user's optimizer, as with Keras' own wrapping: loading the model wraps
     it again, and Keras alone can read the file (see `README.md`).
 
+    A Keras `MultiOptimizer` is wrapped per sub-optimizer under a
+    low-precision update policy (see `multi_optimizers.route`), and whole
+    in a `LossScaleOptimizer` where the model asks for loss scaling.
+
     Args:
         model: The model being compiled.
         optimizer: What was passed to `compile` as `optimizer`.
@@ -109,7 +113,10 @@ def choose_optimizers(model, optimizer):
         return optimizer, optimizer
     multi = multi_optimizers.is_multi_optimizer(optimizer)
     if multi:
-        multi_optimizers.check_sub_optimizers(optimizer)
+        # Those Keras would refuse at the first step, refused now.
+        multi_optimizers.check_sub_optimizers(
+            optimizer, model.trainable_variables if model.built else ()
+        )
     update = low_precision_update_for_model(model)
     if update is None or isinstance(optimizer, LowPrecisionOptimizer):
         return _choose_loss_scaling(model, optimizer)

@@ -39,13 +39,27 @@ def sub_optimizers(optimizer: object) -> list:
     return list(getattr(optimizer, "optimizers", ()))
 
 
-def check_sub_optimizers(optimizer: keras.optimizers.Optimizer) -> None:
+def check_sub_optimizers(
+    optimizer: keras.optimizers.Optimizer, variables: Iterable | None = None
+) -> None:
     """Raises where a MultiOptimizer holds a `LossScaleOptimizer`.
 
     Keras refuses one too, but only once the step builds, and without
     saying where loss scaling goes instead.
+
+    Args:
+        optimizer: A Keras `MultiOptimizer`.
+        variables: None to check every sub-optimizer its `OptimizerMap`
+            names; else only those it gives these variables (those Keras
+            would refuse at `build`).
     """
-    for sub in _mapped(optimizer):
+    subs = _mapped(optimizer) if variables is None else []
+    selector = getattr(optimizer, "_optimizer_map", None)
+    if variables is not None and isinstance(
+        selector, keras.optimizers.OptimizerMap
+    ):
+        subs = [selector(variable) for variable in variables]
+    for sub in subs:
         if isinstance(sub, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "A LossScaleOptimizer goes around a MultiOptimizer, not "

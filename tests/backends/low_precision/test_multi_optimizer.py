@@ -259,6 +259,21 @@ def test_a_loss_scale_optimizer_inside_is_refused_at_compile():
         model.compile(given, "mse")
 
 
+def test_a_loss_scale_optimizer_no_variable_reaches_is_left_to_keras():
+    # Keras alone checks only the sub-optimizers its variables get.
+    given = keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(
+            keras.optimizers.Adam(),
+            {"no_such_layer/.*": LossScaleOptimizer(keras.optimizers.Adam())},
+        )
+    )
+    model = make_model("float32")
+    model.compile(given, "mse")
+    x, y = data()
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert model.optimizer is given
+
+
 def test_a_low_precision_optimizer_around_one_is_refused():
     multi = keras.optimizers.MultiOptimizer(
         keras.optimizers.OptimizerMap(keras.optimizers.Adam())
