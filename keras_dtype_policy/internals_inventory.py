@@ -289,6 +289,14 @@ KERAS_INTERNALS = (
         "A variable's distribution layout, copied to views and sharded.",
         on_instances=True,
     ),
+    _internal(
+        "keras.src.optimizers.multi_optimizer.MultiOptimizer",
+        "_optimizer_map",
+        f"{_LP}.multi_optimizers",
+        "A MultiOptimizer's OptimizerMap or callable, wrapped per entry.",
+        on_instances=True,
+        releases=((3, 15), (3, 17)),
+    ),
     # Layers, models, policies.
     _internal(
         _LAYER,

@@ -12,6 +12,8 @@ from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.optimizer import LossScaleOptimizer
 from keras_dtype_policy.loss_scaling.optimizer import release_inner_optimizer
+from keras_dtype_policy.low_precision import multi_optimizers
+from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
 from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies import names as policy_names
@@ -92,6 +94,10 @@ def choose_optimizers(model, optimizer):
     user's optimizer, as with Keras' own wrapping: loading the model wraps
     it again, and Keras alone can read the file (see `README.md`).
 
+    A Keras `MultiOptimizer` is wrapped per sub-optimizer under a
+    low-precision update policy (see `multi_optimizers.route`), and whole
+    in a `LossScaleOptimizer` where the model asks for loss scaling.
+
     Args:
         model: The model being compiled.
         optimizer: What was passed to `compile` as `optimizer`.
@@ -105,10 +111,19 @@ def choose_optimizers(model, optimizer):
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer, optimizer
+    multi = multi_optimizers.is_multi_optimizer(optimizer)
+    if multi:
+        # Those Keras would refuse at the first step, refused now.
+        multi_optimizers.check_sub_optimizers(
+            optimizer, model.trainable_variables if model.built else ()
+        )
     update = low_precision_update_for_model(model)
     if update is None or isinstance(optimizer, LowPrecisionOptimizer):
         return _choose_loss_scaling(model, optimizer)
-    wrapped = wrap_low_precision(optimizer, *update)
+    if multi:
+        wrapped = _route_low_precision(model, optimizer, update)
+    else:
+        wrapped = wrap_low_precision(optimizer, *update)
     training, recorded = _choose_loss_scaling(model, wrapped)
     # The policy is saved with the model, and wraps again on loading.
     return training, optimizer if recorded is wrapped else recorded
@@ -155,6 +170,27 @@ def wrap_low_precision(optimizer, update, weight_dtype, state_dtype=None):
     return LowPrecisionOptimizer(
         optimizer, update=update, state_dtype=state_dtype
     )
+
+
+def _route_low_precision(model, multi, update):
+    """A MultiOptimizer's sub-optimizers wrapped as a lone optimizer would
+    be under the policy (see `wrap_low_precision`); those already in a
+    `LowPrecisionOptimizer` stay as they are."""
+
+    def wrap(sub):
+        if isinstance(sub, LowPrecisionOptimizer):
+            return sub
+        return wrap_low_precision(sub, *update)
+
+    if multi.built and all(
+        isinstance(sub, LowPrecisionOptimizer) for sub in multi.optimizers
+    ):
+        return multi  # trained, and wrapped already: compiled again
+    variables = model.trainable_variables if model.built else ()
+    routed = multi_optimizers.route(multi, wrap, variables)
+    if routed is not multi and state_sharding.shards_state(multi):
+        state_sharding.shard_optimizer_state(routed)
+    return routed
 
 
 def _choose_loss_scaling(model, optimizer):

@@ -1,7 +1,10 @@
 """Checks of `LowPrecisionOptimizer`'s arguments."""
 
+import re
+
 import keras
 
+from keras_dtype_policy.low_precision import multi_optimizers
 from keras_dtype_policy.low_precision import optimizer_values
 
 UPDATES = ("kahan", "stochastic_rounding", "nearest")
@@ -20,6 +23,16 @@ def check_inner_optimizer(inner_optimizer, wrapper_class):
             "LowPrecisionOptimizer goes inside a LossScaleOptimizer, not "
             "around one: wrap the inner optimizer first, then the result "
             "in the LossScaleOptimizer. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if multi_optimizers.is_multi_optimizer(inner_optimizer):
+        raise TypeError(
+            "LowPrecisionOptimizer goes inside a MultiOptimizer, around "
+            "each sub-optimizer, not around the MultiOptimizer: it runs one "
+            "inner optimizer's step, and a MultiOptimizer has several. "
+            "Use MultiOptimizer(OptimizerMap(LowPrecisionOptimizer(...), "
+            "{...})); under a low-precision policy, compiling a plain "
+            "MultiOptimizer wraps its sub-optimizers. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
     if isinstance(inner_optimizer, wrapper_class):
@@ -70,14 +83,67 @@ def check_update(update):
 
 
 def check_state_dtype(state_dtype):
-    """Returns `state_dtype` standardized, if one of `STATE_DTYPES`."""
+    """Returns `state_dtype` standardized: one of `STATE_DTYPES`, or a dict
+    from variable-path regexes to them (see `state_dtype_for`)."""
+    if isinstance(state_dtype, dict):
+        return {
+            _check_pattern(key): _check_one_state_dtype(
+                value, f"state_dtype[{key!r}]"
+            )
+            for key, value in state_dtype.items()
+        }
+    return _check_one_state_dtype(state_dtype, "state_dtype")
+
+
+def state_dtype_for(state_dtype, path):
+    """The state dtype for the variable at `path`.
+
+    Args:
+        state_dtype: What `check_state_dtype` returned.
+        path: The variable's path (`"embedding/embeddings"`).
+
+    Returns:
+        `state_dtype` itself for one dtype; for a dict, the value of its
+        first key that is `path` or a regex matching the whole of it (in
+        the dict's order, so a last `".*"` is the default), else None.
+    """
+    if not isinstance(state_dtype, dict):
+        return state_dtype
+    if path in state_dtype:
+        return state_dtype[path]
+    for pattern, value in state_dtype.items():
+        if re.fullmatch(pattern, path):
+            return value
+    return None
+
+
+def _check_pattern(key):
+    if not isinstance(key, str):
+        raise TypeError(
+            "The keys of a `state_dtype` dict are regexes of variable "
+            f"paths, as strings. Received: state_dtype key {key!r} "
+            f"(of type {type(key).__name__})"
+        )
+    try:
+        re.compile(key)
+    except re.error as error:
+        raise ValueError(
+            "The keys of a `state_dtype` dict are regexes of variable "
+            f"paths. Received: state_dtype key {key!r} ({error})"
+        ) from None
+    return key
+
+
+def _check_one_state_dtype(state_dtype, argument):
     if state_dtype is None:
         return None
     expected = "None, 'float32', 'bfloat16', 'float16', '8bit' or '4bit'"
+    if argument == "state_dtype":
+        expected += ", or a dict from variable-path regexes to those"
     if not isinstance(state_dtype, str):
         raise TypeError(
-            f"`state_dtype` must be {expected}. "
-            f"Received: state_dtype={state_dtype!r} "
+            f"`{argument}` must be {expected}. "
+            f"Received: {argument}={state_dtype!r} "
             f"(of type {type(state_dtype).__name__})"
         )
     if state_dtype in ("8bit", "4bit"):
@@ -89,8 +155,8 @@ def check_state_dtype(state_dtype):
     # None is one of STATE_DTYPES: an unknown name must not pass as it.
     if standard is None or standard not in STATE_DTYPES:
         raise ValueError(
-            f"`state_dtype` must be {expected}. "
-            f"Received: state_dtype={state_dtype!r} "
+            f"`{argument}` must be {expected}. "
+            f"Received: {argument}={state_dtype!r} "
             f"(of type {type(state_dtype).__name__})"
         )
     return standard

@@ -57,7 +57,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         update: `"kahan"` (default), `"stochastic_rounding"` or `"nearest"`.
         state_dtype: The optimizer state's dtype: None for each weight's,
             `"float32"`, `"bfloat16"`, `"float16"`, or `"8bit"` / `"4bit"`
-            for block-wise quantized state.
+            for block-wise quantized state. Or a dict from regexes of
+            variable paths to those, the first full match deciding
+            (`{"embedding/.*": "float32", ".*": "8bit"}`; None where
+            none matches).
         seed: An int seeding the random rounding; None draws one.
         release_gradients: True to update each variable inside the
             backward pass as soon as its gradient is complete, and free
@@ -86,7 +89,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self,
         inner_optimizer: keras.optimizers.Optimizer,
         update: str = "kahan",
-        state_dtype: str | None = None,
+        state_dtype: str | dict[str, str | None] | None = None,
         seed: int | None = None,
         name: str | None = None,
         release_gradients: bool = False,
@@ -123,8 +126,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         return self._update_rule
 
     @property
-    def state_dtype(self) -> str | None:
-        """The dtype of the optimizer state, or None for each weight's."""
+    def state_dtype(self) -> str | dict[str, str | None] | None:
+        """The dtype of the optimizer state, None for each weight's, or a
+        dict from variable-path regexes to those."""
+        if isinstance(self._state_dtype, dict):
+            return dict(self._state_dtype)
         return self._state_dtype
 
     @property
@@ -220,10 +226,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._targets.order.append(view)
 
     def _slot_dtype(self, variable, weight_dtype):
-        """The dtype of the state of `variable`: `state_dtype` or the
-        weight's, float32 where quantized state does not apply (an
-        integer weight, or one below `MIN_QUANTIZED_SIZE`)."""
-        slot_dtype = self._state_dtype or weight_dtype
+        """The dtype of the state of `variable`: `state_dtype` (the entry
+        its path matches, for a dict) or the weight's, float32 where
+        quantized state does not apply (an integer weight, or one below
+        `MIN_QUANTIZED_SIZE`)."""
+        state_dtype = arguments.state_dtype_for(
+            self._state_dtype, variable.path
+        )
+        slot_dtype = state_dtype or weight_dtype
         if quantized_slots.quantized_bits(slot_dtype) and not (
             keras.backend.is_float_dtype(weight_dtype)
             and quantized_slots.is_quantizable(variable)
@@ -497,7 +507,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 self.inner_optimizer
             ),
             "update": self._update_rule,
-            "state_dtype": self._state_dtype,
+            "state_dtype": self.state_dtype,
             "seed": self._seed,
         }
         # Only where set: files without it load in earlier versions.

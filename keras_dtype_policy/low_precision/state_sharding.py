@@ -27,6 +27,7 @@ import weakref
 import keras
 
 from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy.low_precision import multi_optimizers
 
 # The method `shard_optimizer_state` sets on optimizer instances.
 SHARDING_METHODS = ("add_variable",)
@@ -210,9 +211,12 @@ def _add_variable(
 
 
 def _chain(optimizer):
-    """The optimizer and the inner optimizers it wraps."""
+    """The optimizer, the inner optimizers it wraps, and the sub-optimizers
+    of a Keras `MultiOptimizer` among them (and what those wrap)."""
     while optimizer is not None:
         yield optimizer
+        for sub in multi_optimizers.sub_optimizers(optimizer):
+            yield from _chain(sub)
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 

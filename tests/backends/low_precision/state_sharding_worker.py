@@ -3,11 +3,11 @@
     KERAS_BACKEND=jax python state_sharding_worker.py OUT_DIR CASE...
 
 The device count must be set before JAX starts, hence a process of its
-own. For each CASE of Adam, `LossScaleOptimizer(Adam)`, `"kahan_bfloat16"`
-and `"kahan_bfloat16_8bit"` it trains the same batches under
-`DataParallel` with and without `shard_optimizer_state`; for two it saves
-the sharded run, loads it on one device and on two (sharded again) and
-continues. The CASEs `model_parallel`, `uninstall` and
+own. For each CASE of Adam, `LossScaleOptimizer(Adam)`, `"kahan_bfloat16"`,
+`"kahan_bfloat16_8bit"` and a `MultiOptimizer` it trains the same batches
+under `DataParallel` with and without `shard_optimizer_state`; for three
+it saves the sharded run, loads it on one device and on two (sharded
+again) and continues. The CASEs `model_parallel`, `uninstall` and
 `wrapped_by_compile` check a `ModelParallel` layout, `uninstall()` and a
 wrapper that `compile` puts around a sharded optimizer. Prints one JSON
 line of findings.
@@ -35,9 +35,24 @@ OPTIMIZERS = {
         "kahan_bfloat16_8bit",
         lambda: keras.optimizers.Adam(1e-2),
     ),
+    # Keras 3.15's MultiOptimizer: the compile hook wraps its plain Adam
+    # (the second layer's); the first layer's 8-bit one is the user's.
+    "multi_optimizer": (
+        "kahan_bfloat16",
+        lambda: keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(
+                keras.optimizers.Adam(1e-2),
+                {
+                    ".*dense/.*": kdp.LowPrecisionOptimizer(
+                        keras.optimizers.Adam(1e-2), "kahan", "8bit", seed=1
+                    )
+                },
+            )
+        ),
+    ),
 }
 # Saved, then loaded on one device and on two.
-RESUMED = ("adam", "kahan_bfloat16_8bit")
+RESUMED = ("adam", "kahan_bfloat16_8bit", "multi_optimizer")
 rng = np.random.RandomState(0)
 X = rng.randn(64, 64).astype("float32")
 Y = np.tanh(X @ rng.randn(64, 8)).astype("float32")

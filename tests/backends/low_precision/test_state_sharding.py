@@ -22,12 +22,15 @@ from keras_dtype_policy.low_precision import state_sharding
 WORKER = pathlib.Path(__file__).with_name("state_sharding_worker.py")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEVICES = 8
+HAS_MULTI_OPTIMIZER = hasattr(keras.optimizers, "MultiOptimizer")
 FAST_CASES = (
     "adam",
     "kahan_bfloat16_8bit",
     "model_parallel",
     "uninstall",
     "wrapped_by_compile",
+    # Keras 3.15's MultiOptimizer, where the installed Keras has it.
+    *(("multi_optimizer",) if HAS_MULTI_OPTIMIZER else ()),
 )
 SLOW_CASES = ("lso_adam", "kahan_bfloat16")
 # The state a device holds, over the whole: 1/8 plus the replicated
@@ -38,7 +41,11 @@ SHARE_LIMIT = 1 / DEVICES + 0.005
 # weights differ from the eight-device run only by the order in which the
 # gradient is summed: measured 1.5e-8 (float32) and 2**-10, one bfloat16
 # step of a weight below 0.5.
-RESUME_TOLERANCE = {"adam": 1e-6, "kahan_bfloat16_8bit": 2.0**-8}
+RESUME_TOLERANCE = {
+    "adam": 1e-6,
+    "kahan_bfloat16_8bit": 2.0**-8,
+    "multi_optimizer": 2.0**-8,
+}
 
 jax_only = pytest.mark.skipif(
     BACKEND != "jax",
@@ -78,6 +85,30 @@ def check_sharded_run(found):
 def test_state_is_split_and_training_unchanged(findings, case):
     assert findings["devices"] == DEVICES
     check_sharded_run(findings[case])
+
+
+needs_multi_optimizer = pytest.mark.skipif(
+    not HAS_MULTI_OPTIMIZER,
+    reason="keras.optimizers.MultiOptimizer arrived in Keras 3.15; "
+    f"Keras {keras.__version__} is installed",
+)
+
+
+@jax_only
+@needs_multi_optimizer
+def test_multi_optimizer_state_is_split_and_resumes(findings):
+    found = findings["multi_optimizer"]
+    check_sharded_run(found)
+    # Both sub-optimizers' state splits: the 8-bit codes of the first
+    # layer's, the compensation buffers of both.
+    specs = found["specs"]
+    for suffix in ("_codes", "_compensation"):
+        split = [s for p, s in specs.items() if p.endswith(suffix)]
+        assert split and all(s[0] == "batch" for s in split), suffix
+    resumed = found["resumed"]
+    for devices in ("1", "2"):
+        assert resumed[devices]["state_equal"], devices
+        assert resumed[devices]["weight_difference"] <= 2.0**-8
 
 
 @jax_only

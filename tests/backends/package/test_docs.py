@@ -9,6 +9,8 @@ comments right above a block say where and how it runs:
 - `<!-- processes: N -->`: one process of a job of N; the block is saved
   as `train.py` and started N times with `PROCESS_ID`, `NUM_PROCESSES` and
   `COORDINATOR` (a free loopback port) set, as the docs say to.
+- `<!-- keras: X.Y -->`: only on Keras X.Y or later (it uses something
+  that Keras release added); skipped on older ones.
 - `<!-- custom-loop: NAME -->`, `<!-- distributed: NAME -->`: run, and
   checked more closely, by the test named in `OWNERS`; skipped here.
 """
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import pytest
 from testing import BACKEND
 from testing import DOC_PAGES
@@ -37,7 +40,7 @@ OWNERS = {
         f"tests/backends/loss_scaling/test_distribution_{tag}.py"
     ),
 }
-KNOWN_MARKERS = {"backend", "processes", *OWNERS}
+KNOWN_MARKERS = {"backend", "keras", "processes", *OWNERS}
 BACKENDS = {"tensorflow", "jax", "torch"}
 MARKER = re.compile(r"<!-- ([\w-]+): (\S+) -->")
 # A multi-process block's processes must all be done by then.
@@ -162,7 +165,18 @@ def skip_reason(markers):
             f"marked `backend: {backend}`: it needs what only {backend} has, "
             f"and this run is on {BACKEND}"
         )
+    needed = markers.get("keras")
+    if needed is not None and _release(keras.__version__) < _release(needed):
+        return (
+            f"marked `keras: {needed}`: it needs what Keras {needed} added, "
+            f"and Keras {keras.__version__} is installed"
+        )
     return None
+
+
+def _release(version):
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 @pytest.mark.parametrize("page, line, markers, source", BLOCKS)

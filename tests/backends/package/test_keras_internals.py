@@ -76,6 +76,12 @@ INSTANCES = {
     "keras.src.dtype_policies.dtype_policy.DTypePolicy": lambda: (
         keras.DTypePolicy("mixed_float16")
     ),
+    # Keras 3.15 and later (the entry's `releases`).
+    "keras.src.optimizers.multi_optimizer.MultiOptimizer": lambda: (
+        keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(keras.optimizers.SGD())
+        )
+    ),
 }
 
 
