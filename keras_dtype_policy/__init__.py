@@ -46,6 +46,9 @@ if _backend_error is None:
     from keras_dtype_policy.tf_keras_compat.bridge import model_from_json
     from keras_dtype_policy.tf_keras_compat.keras_alone import save_for_keras
     from keras_dtype_policy.tf_keras_compat.load_override import load_model
+    from keras_dtype_policy.tf_keras_compat.serving_export import (
+        export_for_serving,
+    )
     from keras_dtype_policy.tools.audit import audit
     from keras_dtype_policy.tools.lost_updates import lost_updates
     from keras_dtype_policy.tools.memory_plan import plan
@@ -81,6 +84,7 @@ __all__ = [
     "audit",
     "dtype_policy",
     "experimental",
+    "export_for_serving",
     "find_nonfinite",
     "float16_rules",
     "get_loss_scale",

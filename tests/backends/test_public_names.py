@@ -80,6 +80,7 @@ def test_all_lists_keras_3_names_and_the_packages_own():
         "shard_optimizer_state",
         "plan",
         "save_for_keras",
+        "export_for_serving",
     ):
         assert name in kdp.__all__
     assert all(hasattr(kdp, name) for name in kdp.__all__)
