@@ -358,6 +358,24 @@ def warn_mismatch(optimizer, values):
     )
 
 
+def with_whole_step_count(values):
+    """Returns `values` with a float step count made an int, or None.
+
+    tf.keras' `set_weights` cast each value to its variable's dtype, so
+    tf.keras code sets the step count (the first value, in every layout)
+    as a float such as `np.array(2.0)`. A float scalar there that holds a
+    whole number becomes an int64; any other `values` give None.
+    """
+    if not values:
+        return None
+    first = np.asarray(values[0])
+    if first.shape != () or first.dtype.kind != "f":
+        return None
+    if not np.isfinite(first) or first != np.round(first) or first < 0:
+        return None
+    return [np.asarray(first, dtype="int64"), *values[1:]]
+
+
 def store_values(store):
     """Returns the arrays of a Keras weights store in saved order."""
     return [store[str(i)] for i in range(len(store.keys()))]

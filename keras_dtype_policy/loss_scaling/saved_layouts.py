@@ -77,17 +77,21 @@ class SavedLayouts:
 
     def set_weights(self, weights):
         """Sets the optimizer's values, in any layout `load_own_variables`
-        accepts.
+        accepts (the inner optimizer's tf.keras 2 layout among them, as
+        tf.keras' wrapper set its inner optimizer's weights). A step count
+        given as a whole float is taken, as tf.keras' cast took it.
 
         Raises:
-            ValueError: (an `OptimizerStateMismatch`) if `weights` fit none
-                of them; nothing is assigned then.
+            ValueError: (an `OptimizerStateMismatch`, naming both counts)
+                if `weights` fit none of them; nothing is assigned then.
         """
         weights = list(weights)
         if not self.built:
             self._keep_pending_values(weights)
         elif not self._assign_saved(weights):
-            raise optimizer_state.mismatch(self, weights)
+            whole = optimizer_state.with_whole_step_count(weights)
+            if whole is None or not self._assign_saved(whole):
+                raise optimizer_state.mismatch(self, weights)
 
     def _keep_pending_values(self, values):
         """Keeps values for the build; sets the inner step count now."""

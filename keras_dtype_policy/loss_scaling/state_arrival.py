@@ -169,7 +169,12 @@ def teach_tf_keras_layout(optimizer):
         if not self.built:
             optimizer_state.keep_pending_values(self, weights)
         elif not optimizer_state.assign_optimizer_values(self, weights):
-            raise optimizer_state.mismatch(self, weights)
+            # tf.keras' float step count, as its `set_weights` cast it.
+            whole = optimizer_state.with_whole_step_count(weights)
+            if whole is None or not optimizer_state.assign_optimizer_values(
+                self, whole
+            ):
+                raise optimizer_state.mismatch(self, weights)
 
     for method in (build, load_own_variables, set_weights):
         setattr(optimizer, method.__name__, types.MethodType(method, optimizer))

@@ -7,6 +7,8 @@ saved `inner_optimizer`, `dynamic`, `initial_scale` and
 `dynamic_growth_steps`; Keras 3's own `LossScaleOptimizer` has no `dynamic`.
 """
 
+from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
+from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import get_loss_scale
 
 
@@ -26,7 +28,18 @@ def scale_settings(loss_scale):
 
     Returns:
         A dict of `LossScaleOptimizer` keyword arguments.
+
+    Raises:
+        TypeError: for a loss scale of another class (tf.keras' rule).
     """
+    if not isinstance(loss_scale, (FixedLossScale, DynamicLossScale)):
+        # tf.keras' wording first.
+        raise TypeError(
+            "Passing a LossScale that is not a FixedLossScale or a "
+            f"DynamicLossScale is no longer supported. Got: {loss_scale!r}. "
+            f"Received: loss_scale={loss_scale!r} "
+            f"(of type {type(loss_scale).__name__})"
+        )
     if not loss_scale.dynamic:
         return {"dynamic": False, "initial_scale": loss_scale.initial_scale}
     settings = {

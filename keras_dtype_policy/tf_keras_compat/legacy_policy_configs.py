@@ -4,8 +4,8 @@ tf.keras serialized its policies as `{"class_name": "Policy", ...}`,
 `{"class_name": "PolicyV1", "config": {"name": ..., "loss_scale": ...}}` or
 `{"module": "keras.mixed_precision", "class_name": "Policy", ...}`; Keras 3
 reads none of these. As tf.keras 2.4+ did, such a config comes back as the
-non-experimental `mixed_precision.Policy` of its name, and a loss scale in
-it is dropped, with a warning that names it.
+non-experimental `mixed_precision.Policy` of its name (the infer names
+included), and a loss scale in it is dropped, with a warning that names it.
 """
 
 import warnings
@@ -46,8 +46,8 @@ def policy_from_legacy_config(config):
             `Policy`.
 
     Returns:
-        tf.keras 2.4+'s `mixed_precision.Policy` of the config's name, or a
-        fresh infer `Policy` for the infer names.
+        A fresh tf.keras 2.4+ `mixed_precision.Policy` of the config's name
+        (for an infer name too, as tf.keras 2.4+ revived `PolicyV1("_infer")`).
     """
     inner = config.get("config")
     if not isinstance(inner, dict) or "name" not in inner:
@@ -59,15 +59,15 @@ def policy_from_legacy_config(config):
     loss_scale = inner.get("loss_scale")
     if loss_scale is not None:
         report_dropped_loss_scale(name, get_loss_scale(loss_scale))
-    if isinstance(name, str) and name in INFER_POLICIES:
-        return Policy.create(name)
     return NonExperimentalPolicy(name)
 
 
 def policy_for_name(name):
-    """Returns a fresh infer `Policy` or a `DTypePolicy` for `name`."""
+    """Returns a fresh `mixed_precision.Policy` for an infer name (as
+    tf.keras 2.4+ gave a layer built with `dtype="_infer"`), or a
+    `DTypePolicy` for `name`."""
     if isinstance(name, str) and name in INFER_POLICIES:
-        return Policy.create(name)
+        return NonExperimentalPolicy(name)
     return DTypePolicy(name)
 
 

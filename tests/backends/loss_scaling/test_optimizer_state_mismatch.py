@@ -222,8 +222,10 @@ def test_set_weights_that_do_not_fit_raise_and_assign_nothing(wrapped):
 def test_values_of_the_wrong_dtype_do_not_fit():
     model = trained_with(keras.optimizers.SGD(momentum=0.9))
     values = optimizer_values(model.optimizer)
-    # The step count saved as a float: right shapes, wrong kind of dtype.
-    values[0] = values[0].astype("float32")
+    # The step count saved as a float that is no whole number: right
+    # shapes, wrong kind of dtype (a whole float is taken, as tf.keras'
+    # set_weights cast it).
+    values[0] = values[0].astype("float32") + 0.5
     optimizer = loaded_in_a_model(keras.optimizers.SGD(momentum=0.9))
     with pytest.raises(OptimizerStateMismatch, match="float32"):
         optimizer.set_weights(values)

@@ -579,3 +579,178 @@ def test_dynamic_loss_scale_object_stops_growing_at_the_float32_max():
         largest,
     ]
     assert np.isfinite(values[-1])
+
+
+# tf-keras' from_config and constructor rules for the loss scale of a
+# TensorFlow 2.3 config or argument.
+
+
+def _tf_2_3_dynamic(**settings):
+    scale = {"initial_loss_scale": 2.0, "increment_period": 3}
+    scale["multiplier"] = 2.0
+    scale.update(settings)
+    return {
+        **TF_2_3_CONFIG,
+        "loss_scale": {"class_name": "DynamicLossScale", "config": scale},
+    }
+
+
+BAD_TF_2_3_CONFIGS = {
+    "multiplier_1": (_tf_2_3_dynamic(multiplier=1.0), "multiplier=1.0"),
+    "multiplier_0.5": (_tf_2_3_dynamic(multiplier=0.5), "multiplier=0.5"),
+    "increment_period_0": (
+        _tf_2_3_dynamic(increment_period=0),
+        "increment_period=0",
+    ),
+    "increment_period_2.5": (
+        _tf_2_3_dynamic(increment_period=2.5),
+        "increment_period=2.5",
+    ),
+    # tf.keras: "Serialized LossScaleOptimizers with a LossScale that is
+    # neither a FixedLossScale nor a DynamicLossScale can no longer be
+    # deserialized".
+    "other_class": (
+        {
+            **TF_2_3_CONFIG,
+            "loss_scale": {"class_name": "MyLossScale", "config": {}},
+        },
+        "MyLossScale",
+    ),
+    "no_loss_scale": ({**TF_2_3_CONFIG, "loss_scale": None}, "loss_scale"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_TF_2_3_CONFIGS))
+@pytest.mark.parametrize(
+    "optimizer_class",
+    [kdp.mixed_precision.LossScaleOptimizer, experimental.LossScaleOptimizer],
+    ids=["LossScaleOptimizer", "LossScaleOptimizerV1"],
+)
+def test_from_config_refuses_a_loss_scale_the_wrapper_cannot_take(
+    optimizer_class, key
+):
+    config, named = BAD_TF_2_3_CONFIGS[key]
+    with pytest.raises(ValueError, match=named):
+        optimizer_class.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "settings, error, named",
+    [
+        ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps=0"),
+        ({"dynamic_growth_steps": -3}, ValueError, "dynamic_growth_steps=-3"),
+        ({"dynamic_growth_steps": 2.5}, TypeError, "dynamic_growth_steps=2.5"),
+        (
+            {"dynamic": False, "initial_scale": 0.0},
+            ValueError,
+            "initial_scale=0.0",
+        ),
+    ],
+)
+def test_from_config_refuses_bad_tf_keras_2_4_settings(settings, error, named):
+    config = {
+        "inner_optimizer": keras.optimizers.serialize(keras.optimizers.SGD()),
+        "dynamic": True,
+        "initial_scale": 2.0,
+        "dynamic_growth_steps": 3,
+        **settings,
+    }
+    with pytest.raises(error, match=named):
+        kdp.mixed_precision.LossScaleOptimizer.from_config(config)
+
+
+def test_a_multiplier_other_than_2_is_kept():
+    # tf.keras 2.4+ refused it ("whose multiplier is not 2"); TensorFlow
+    # 2.3 trained with it, and this wrapper can: a documented difference.
+    for optimizer in (
+        kdp.mixed_precision.LossScaleOptimizer.from_config(
+            _tf_2_3_dynamic(multiplier=4.0)
+        ),
+        experimental.LossScaleOptimizer(
+            keras.optimizers.SGD(), kdp.DynamicLossScale(2.0, 3, 4.0)
+        ),
+    ):
+        assert (optimizer.growth_factor, optimizer.backoff_factor) == (
+            4.0,
+            0.25,
+        )
+
+
+def test_v1_constructor_refuses_a_loss_scale_of_another_class():
+    from keras_dtype_policy.loss_scaling.loss_scale import LossScale
+
+    class MyLossScale(LossScale):
+        def get_config(self):
+            return {}
+
+    # tf.keras' error type and wording.
+    with pytest.raises(TypeError, match="not a FixedLossScale or a Dynamic"):
+        experimental.LossScaleOptimizer(keras.optimizers.SGD(), MyLossScale())
+
+
+# tf-keras' testWeightMethods: the wrapper's `set_weights` sets its inner
+# optimizer's weights (tf.keras' layout: the step count first, as a float
+# there), and a list of the wrong length raises a ValueError.
+
+
+def test_set_weights_in_the_tf_keras_layout_and_the_wrong_count():
+    optimizer = kdp.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=2.0, dynamic_growth_steps=1
+    )
+    var = keras.Variable(np.float32([1.0]))
+    optimizer.minimize(lambda: var * 2.0, [var])
+    assert int(to_numpy(optimizer.iterations)) == 1
+    optimizer.inner_optimizer.set_weights([np.array(4.0)])
+    assert int(to_numpy(optimizer.iterations)) == 4
+    optimizer.set_weights([np.array(2.0)])
+    assert int(to_numpy(optimizer.iterations)) == 2
+    count = len(optimizer.variables)
+    for wrong in ([np.array(2.0)] * 3, [np.array(2.5)]):
+        with pytest.raises(
+            ValueError,
+            match=f"its {count} variables do not match the {len(wrong)} saved",
+        ):
+            optimizer.set_weights(wrong)
+    assert int(to_numpy(optimizer.iterations)) == 2
+    values = [to_numpy(v) for v in optimizer.variables]
+    values[0] = np.array(7, dtype=values[0].dtype)
+    optimizer.set_weights(values)
+    np.testing.assert_array_equal(to_numpy(optimizer.variables[0]), 7)
+
+
+# tf-keras' testIterationsIncremented: tf.keras 2 counted a skipped step in
+# `iterations`; here (as in Keras 3) `iterations` counts the applied steps
+# and `skipped_steps` the others, their sum being tf.keras' count (see
+# docs/tf-keras-migration.md, "Differences from tf.keras 2").
+
+
+def test_a_skipped_step_in_a_custom_loop():
+    optimizer = kdp.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0)
+    )
+    var = keras.Variable(np.float32([5.0]))
+    optimizer.minimize(lambda: var * 2.0, [var])
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+    optimizer.minimize(lambda: var * float("nan"), [var])
+    np.testing.assert_array_equal(to_numpy(var), [3.0])
+    assert int(to_numpy(optimizer.iterations)) == 1
+    assert optimizer.skipped_steps == 1
+    # tf.keras 2's `iterations` here: 2.
+    assert int(to_numpy(optimizer.iterations)) + optimizer.skipped_steps == 2
+
+
+def test_a_skipped_step_under_fit():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=kdp.mixed_precision.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01)
+        ),
+        loss="mse",
+    )
+    x = np.ones((8, 2), dtype="float32")
+    x[2:4] = np.nan  # the second of four batches
+    model.fit(x, np.zeros((8, 1)), batch_size=2, shuffle=False, verbose=0)
+    optimizer = model.optimizer
+    assert int(to_numpy(optimizer.iterations)) == 3
+    assert optimizer.skipped_steps == 1
+    assert np.isfinite(to_numpy(model.layers[0].kernel)).all()

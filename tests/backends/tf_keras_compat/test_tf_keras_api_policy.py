@@ -13,6 +13,7 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 from keras_dtype_policy import experimental
+from keras_dtype_policy import mixed_precision
 from keras_dtype_policy.loss_scaling.loss_scale import DynamicLossScale
 from keras_dtype_policy.loss_scaling.loss_scale import FixedLossScale
 
@@ -183,3 +184,88 @@ def test_policy_loss_scale_reaches_compile():
     model.compile("sgd", "mse")
     assert model.optimizer.dynamic is False
     assert model.optimizer.loss_scale == 64.0
+
+
+# tf-keras' layer_test with a V1 (experimental) policy: the layer's config
+# holds the policy's name and loss scale; a layer revived from it has
+# tf.keras 2.4+'s `Policy` of that name (the loss scale dropped, as
+# tf.keras 2.4+ dropped it), and shows as that `Policy`.
+
+FIXED_2 = {"class_name": "FixedLossScale", "config": {"loss_scale_value": 2.0}}
+
+
+@pytest.mark.filterwarnings("ignore:The policy:UserWarning")
+@pytest.mark.parametrize("loss_scale, saved", [(None, None), (2.0, FIXED_2)])
+def test_layer_config_with_an_experimental_policy(loss_scale, saved):
+    policy = experimental.Policy("mixed_float16", loss_scale=loss_scale)
+    layer = keras.layers.Dense(2, dtype=policy)
+    dtype = layer.get_config()["dtype"]
+    # tf.keras 2.4+ wrote class_name "PolicyV1"; Keras 3 names the class.
+    assert dtype["registered_name"] == "keras_dtype_policy>Policy"
+    assert dtype["config"] == {"name": "mixed_float16", "loss_scale": saved}
+    revived = keras.layers.Dense.from_config(layer.get_config())
+    assert type(revived.dtype_policy) is mixed_precision.Policy
+    assert repr(revived.dtype_policy) == '<Policy "mixed_float16">'
+    out = revived(np.ones((1, 3), dtype="float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    assert revived.kernel.dtype == "float32"
+    again = revived.get_config()["dtype"]
+    assert again["registered_name"] == (
+        "keras_dtype_policy>mixed_precision.Policy"
+    )
+    assert again["config"] == {"name": "mixed_float16"}
+
+
+INFER_V1_CONFIGS = {
+    "tf_keras": {
+        "class_name": "PolicyV1",
+        "config": {"name": "_infer", "loss_scale": FIXED_2},
+    },
+    "tf_keras_2_13": {
+        "module": "keras.mixed_precision",
+        "class_name": "PolicyV1",
+        "config": {"name": "_infer", "loss_scale": None},
+        "registered_name": None,
+    },
+    "this_package": keras.dtype_policies.serialize(
+        experimental.Policy.create("_infer", loss_scale=2.0)
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The policy:UserWarning")
+@pytest.mark.parametrize("key", sorted(INFER_V1_CONFIGS))
+def test_an_infer_v1_policy_revives_as_the_2_4_policy(key):
+    # The `"_infer"` case of tf-keras' test_from_config_policy_v1: the
+    # layer infers its dtype from its first input, with tf.keras 2.4+'s
+    # `Policy`, shown as `<Policy "float16">` once it has inferred.
+    config = keras.layers.Dense(2).get_config()
+    config["dtype"] = INFER_V1_CONFIGS[key]
+    layer = keras.layers.Dense.from_config(config)
+    assert type(layer.dtype_policy) is mixed_precision.Policy
+    assert layer.dtype_policy.compute_dtype is None
+    out = layer(np.ones((1, 3), dtype="float16"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    assert layer.kernel.dtype == "float16"
+    assert repr(layer.dtype_policy) == '<Policy "float16">'
+    again = keras.layers.Dense.from_config(config)
+    assert repr(again.dtype_policy) == '<Policy "_infer">'
+    assert again.dtype_policy is not layer.dtype_policy
+
+
+def test_an_infer_name_gives_the_2_4_policy():
+    # tf.keras 2.4+: `dtype="_infer"` built its non-experimental `Policy`.
+    layer = keras.layers.Dense(2, dtype="_infer")
+    assert type(layer.dtype_policy) is mixed_precision.Policy
+    layer(np.ones((1, 3), dtype="float16"))
+    assert repr(layer.dtype_policy) == '<Policy "float16">'
+
+
+def test_experimental_from_config_keeps_the_class_and_tf_2_3_repr():
+    # TensorFlow 2.3's `Policy.from_config` (and tf.keras 2.4+'s
+    # `PolicyV1.from_config`) kept the experimental class and its scale.
+    policy = experimental.Policy("float16", loss_scale=None)
+    revived = experimental.Policy.from_config(policy.get_config())
+    assert type(revived) is experimental.Policy
+    assert repr(revived) == '<Policy "float16", loss_scale=None>'
+    assert repr(policy) == repr(revived)
