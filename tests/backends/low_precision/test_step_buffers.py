@@ -94,7 +94,17 @@ def bytes_a_parameter(policy, arguments):
     }
 
 
-@pytest.mark.parametrize("name", sorted(QUANTIZED))
+# Two compiles each (about 7 s): the stochastic 8- and 4-bit rows in the
+# default runs, the others in `tox -e full-jax`.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "stochastic_8bit",
+        "stochastic_4bit",
+        pytest.param("kahan_8bit", marks=pytest.mark.slow),
+        pytest.param("mixed_8bit", marks=pytest.mark.slow),
+    ],
+)
 def test_quantized_state_step_holds_only_the_gradients(name):
     policy, arguments = QUANTIZED[name]
     measured = bytes_a_parameter(policy, arguments)
@@ -103,7 +113,13 @@ def test_quantized_state_step_holds_only_the_gradients(name):
     assert measured["temporaries"] <= GRADIENT_BYTES + SLACK, measured
 
 
-@pytest.mark.parametrize("policy", ["kahan_bfloat16", "stochastic_bfloat16"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "stochastic_bfloat16",
+        pytest.param("kahan_bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_bfloat16_state_step_holds_no_more_than_keras_own(policy):
     # Keras' own bfloat16 policy with its Adam: XLA on a CPU computes a
     # bfloat16 matrix product in float32 and keeps each weight's float32
