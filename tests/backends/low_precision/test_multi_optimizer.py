@@ -118,7 +118,25 @@ def test_compile_wraps_each_sub_optimizer_as_the_policy_asks(policy):
     assert recorded is given
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+# Half the policies in the default runs (the issue's failing
+# stochastic_bfloat16, a loss scale around the MultiOptimizer, 8-bit
+# state), for CI time; `tox -e full-<backend>` runs all six.
+RESUMED_IN_FULL_RUNS = (
+    "kahan_bfloat16",
+    "mixed_bfloat16",
+    "stochastic_float16",
+)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(p, marks=pytest.mark.slow)
+        if p in RESUMED_IN_FULL_RUNS
+        else p
+        for p in POLICIES
+    ],
+)
 def test_issue_model_trains_saves_and_resumes_exactly(policy, tmp_path):
     x, y = data()
     model = make_model(policy)
