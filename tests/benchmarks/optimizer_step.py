@@ -18,6 +18,7 @@ Importing this module imports no backend; `run` imports Keras.
 import numpy as np
 
 from tests.benchmarks import measure
+from tests.benchmarks import quantized_state_probe
 from tests.benchmarks import stats
 
 WIDTH = 1024
@@ -25,24 +26,18 @@ DEPTH = 8
 QUICK_DEPTH = 2
 STREAM_ELEMENTS = 2**25  # float32: 128 MiB an array
 LEARNING_RATE = 1e-4
-# name: (policy, LowPrecisionOptimizer arguments, or None for Adam as the
-# policy gives it).
+# Benchmark 10's configurations (name: policy, LowPrecisionOptimizer
+# arguments or None), those that keep bfloat16 or float32 weights.
 CONFIGURATIONS = {
-    "mixed_bfloat16": ("mixed_bfloat16", None),
-    "kahan_bfloat16": ("kahan_bfloat16", None),
-    "stochastic_bfloat16": ("stochastic_bfloat16", None),
-    "kahan_bfloat16_8bit": (
+    name: quantized_state_probe.CONFIGURATIONS[name]
+    for name in (
+        "mixed_bfloat16",
         "kahan_bfloat16",
-        {"update": "kahan", "state_dtype": "8bit"},
-    ),
-    "stochastic_bfloat16_8bit": (
         "stochastic_bfloat16",
-        {"update": "stochastic_rounding", "state_dtype": "8bit", "seed": 0},
-    ),
-    "stochastic_bfloat16_4bit": (
-        "stochastic_bfloat16",
-        {"update": "stochastic_rounding", "state_dtype": "4bit", "seed": 0},
-    ),
+        "kahan_bfloat16_8bit",
+        "stochastic_bfloat16_8bit",
+        "stochastic_bfloat16_4bit",
+    )
 }
 
 
