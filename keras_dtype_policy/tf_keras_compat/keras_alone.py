@@ -84,16 +84,19 @@ def save_for_keras(
     return target
 
 
-def keras_copy(model, policy=None):
+def keras_copy(model, policy=None, with_optimizer=True):
     """Returns a copy of `model` in Keras' own terms, with its state.
 
     Args:
         model: A built `keras.Model`.
         policy: As `save_for_keras`'s.
+        with_optimizer: False for the weights alone (Kahan compensation
+            folded in), the copy left uncompiled: what serving needs.
 
     Returns:
         A new `keras.Model`, compiled with the Keras optimizer inside
-        `model`'s (built, its state carried) if `model` was compiled.
+        `model`'s (built, its state carried) if `model` was compiled and
+        `with_optimizer` is True.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -102,7 +105,7 @@ def keras_copy(model, policy=None):
         )
     chooser = _chooser(model, _checked_policy(policy))
     new = rules_application.rebuild(model, chooser, compile_again=False)
-    if model.compiled:
+    if model.compiled and with_optimizer:
         config = dict(model.get_compile_config() or {})
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:

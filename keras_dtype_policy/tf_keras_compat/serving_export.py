@@ -5,7 +5,7 @@ a PyTorch `ExportedProgram`, ONNX, OpenVINO or LiteRT. A model trained
 under one of this package's policies exports through it as it is (its
 layers compute in their compute dtype, bfloat16 for the `kahan_` and
 `stochastic_` forms). `export_for_serving` exports a copy in Keras' own
-terms instead (`save_for_keras`'s copy), so
+terms instead (`save_for_keras`'s copy, without the optimizer), so
 that the served model's dtype is the user's choice: `policy=None` keeps
 each layer's compute dtype (Keras' nearest policy), `policy="float32"`
 serves the same weights in float32. The model itself is not changed.
@@ -58,6 +58,7 @@ def export_for_serving(
             "`format` must be a string naming one of Keras' export formats. "
             f"Received: format={format!r} (of type {type(format).__name__})"
         )
-    # `keras_copy` checks `model` and `policy`.
-    copy = keras_alone.keras_copy(model, policy)
+    # `keras_copy` checks `model` and `policy`; serving needs no optimizer,
+    # so none is built and no state dequantized.
+    copy = keras_alone.keras_copy(model, policy, with_optimizer=False)
     copy.export(path, format=format, **kwargs)
