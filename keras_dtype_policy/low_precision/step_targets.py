@@ -48,7 +48,10 @@ class StepCache:
         steps: `{TraceKey: tf.function}` of the whole step (the latest
             trace only).
         groups: `{index: CompiledGroup}` of the step group by group.
+        shared: `{signature: SharedGroupStep}`: the compiled steps that
+            groups of the same shapes and dtypes share.
     """
 
     steps: dict = dataclasses.field(default_factory=dict)
     groups: dict = dataclasses.field(default_factory=dict)
+    shared: dict = dataclasses.field(default_factory=dict)

@@ -16,7 +16,11 @@ computation ends, so a model larger than `XLA_GROUP_ELEMENTS` elements is
 updated group by group, one compiled computation each, after the parts of
 the step that need every gradient (clipping by the global norm, the
 learning rate, Nadam's product) ran once: the step's peak memory is then
-bounded by a group's temporaries, not the whole model's.
+bounded by a group's temporaries, not the whole model's. Groups whose
+variables and state have the same shapes and dtypes share one compiled
+computation, the variables passed in (`SharedGroupStep`): a model of N
+equal layers compiles its update once, not N times (each computation
+keeps ~13 MiB of traced graph and compiled code resident).
 
 This module imports TensorFlow at its top: the package reaches it through
 `backend_dispatch.module_for("low_precision_step")`, only on TensorFlow.
@@ -31,10 +35,27 @@ import keras
 import tensorflow as tf
 
 from keras_dtype_policy.low_precision import block_codes
+from keras_dtype_policy.low_precision import slot_lists
 
 # The most elements of variables one XLA computation updates (the torch
 # step's groups are `torch_step`'s own).
 XLA_GROUP_ELEMENTS = 2**23
+
+# The inner optimizers whose update of a variable depends, beyond the
+# shapes and dtypes of its state, only on what `_group_signature` keys:
+# groups of these share compiled steps. A subclass may decide more from
+# a variable's name or path, so exactly these classes.
+SHAREABLE_OPTIMIZERS = (
+    keras.optimizers.Adadelta,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adam,
+    keras.optimizers.Adamax,
+    keras.optimizers.AdamW,
+    keras.optimizers.Lion,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.SGD,
+)
 
 # Set while `compiled_apply` traces its one XLA computation, in which
 # groups would be that same computation.
@@ -74,6 +95,55 @@ class CompiledGroup(typing.NamedTuple):
 
     key: TraceKey
     step: typing.Callable
+
+
+class SharedGroupStep:
+    """One compiled update for every group of one `_group_signature`.
+
+    Traced on the first group (the template) with the tensors of every
+    variable storing the group's state passed in as arguments, so that a
+    later group's call binds its own variables in their place. Before a
+    second group uses it, that group is traced alone and the two traces'
+    captured tensors compared: any difference means the update reached
+    state that is not passed in, and every group then gets its own
+    computation (`usable` False).
+
+    Args:
+        optimizer: The `LowPrecisionOptimizer`.
+        template: The first group's variables.
+    """
+
+    def __init__(self, optimizer, template):
+        self.optimizer = optimizer
+        self.template = template
+        self.function = _state_step(optimizer, template)
+        self.checked = False
+        self.usable = True
+
+    def check(self, group, state, grads, learning_rate):
+        """Sets `usable` from a trace of `group` alone (once)."""
+        if self.checked:
+            return
+        self.checked = True
+        template_state = _state_tensors(self.optimizer, self.template)
+        traced = self.function.get_concrete_function(
+            template_state, grads, learning_rate
+        )
+        alone = _state_step(self.optimizer, group).get_concrete_function(
+            state, grads, learning_rate
+        )
+        self.usable = _same_captures(traced, alone)
+
+
+class BoundGroupStep(typing.NamedTuple):
+    """A `SharedGroupStep` bound to one group's state tensors; called as
+    the group's own compiled step is, `step(grads, learning_rate)`."""
+
+    shared: SharedGroupStep
+    state: list
+
+    def __call__(self, grads, learning_rate):
+        return self.shared.function(self.state, grads, learning_rate)
 
 
 def apply(wrapper, grads, trainable_variables):
@@ -201,18 +271,21 @@ def grouped_apply(optimizer, grads, trainable_variables):
         groups = list(_groups(prepared.variables))
         if len(cache) > len(groups):
             cache.clear()
+            step_cache(optimizer).shared.clear()
         start = 0
         for index, group in enumerate(groups):
             group_grads = grads[start : start + len(group)]
             start += len(group)
             key = TraceKey(tuple(id(v) for v in group), (), settings)
             held = cache.get(index)
+            group_grads = [tf.convert_to_tensor(g) for g in group_grads]
             if held is None or held.key != key:
-                held = CompiledGroup(key, _group_step(optimizer, group))
+                step = _shared_step(
+                    optimizer, group, group_grads, learning_rate
+                )
+                held = CompiledGroup(key, step or _group_step(optimizer, group))
                 cache[index] = held
-            held.step(
-                [tf.convert_to_tensor(g) for g in group_grads], learning_rate
-            )
+            held.step(group_grads, learning_rate)
         inner._iterations.assign_add(1)
 
 
@@ -255,6 +328,84 @@ def _group_step(optimizer, group):
         return tf.constant(0)
 
     return tf.function(run, jit_compile=True, autograph=False)
+
+
+def _shared_step(optimizer, group, grads, learning_rate):
+    """The step of `group` through its signature's `SharedGroupStep`, or
+    None where the group cannot share one."""
+    signature = _group_signature(optimizer, group)
+    if signature is None:
+        return None
+    shared = step_cache(optimizer).shared
+    entry = shared.get(signature)
+    state = _state_tensors(optimizer, group)
+    if entry is None:
+        entry = SharedGroupStep(optimizer, group)
+        shared[signature] = entry
+    elif [id(v) for v in entry.template] != [id(v) for v in group]:
+        entry.check(group, state, grads, learning_rate)
+    return BoundGroupStep(entry, state) if entry.usable else None
+
+
+def _group_signature(optimizer, group):
+    """What a group's compiled update depends on besides the values of
+    its state: the optimizers' settings and, a variable, the shapes and
+    dtypes of its stored state and what the update decides from the
+    variable itself. None where the update may depend on more
+    (`SHAREABLE_OPTIMIZERS`, a constraint) or the state cannot be told."""
+    inner = optimizer.inner_optimizer
+    if type(inner) not in SHAREABLE_OPTIMIZERS:
+        return None
+    if inner.gradient_accumulation_steps or inner.use_ema:
+        return None
+    entries = []
+    for variable in group:
+        stored = slot_lists.stored_state(optimizer, variable)
+        if stored is None or variable.constraint is not None:
+            return None
+        decays = inner.weight_decay is not None and inner._use_weight_decay(
+            variable
+        )
+        entries.append(
+            (
+                bool(getattr(variable, "overwrite_with_gradient", False)),
+                decays,
+                tuple(
+                    (tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+                    for v in stored
+                ),
+            )
+        )
+    return (_settings(optimizer), tuple(entries))
+
+
+def _state_tensors(optimizer, group):
+    """The `tf.Variable`s storing `group`'s state, flat, in a fixed order."""
+    return [
+        variable.value
+        for weight in group
+        for variable in slot_lists.stored_state(optimizer, weight)
+    ]
+
+
+def _state_step(optimizer, group):
+    """The compiled update of `group`, its state passed in."""
+
+    def run(state, grads, learning_rate):
+        del state  # Bound in place of the group's variables by tracing.
+        optimizer._run_updates(grads, group, learning_rate)
+        return tf.constant(0)
+
+    return tf.function(run, jit_compile=True, autograph=False)
+
+
+def _same_captures(first, second):
+    """True if two concrete functions capture the very same tensors."""
+    first_inputs = first.captured_inputs
+    second_inputs = second.captured_inputs
+    return len(first_inputs) == len(second_inputs) and all(
+        a is b for a, b in zip(first_inputs, second_inputs, strict=True)
+    )
 
 
 def _groups(variables):

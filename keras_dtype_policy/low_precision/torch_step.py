@@ -46,12 +46,12 @@ from keras.src.backend.torch.optimizers import torch_rmsprop
 from keras.src.backend.torch.optimizers import torch_sgd
 
 from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import slot_lists
 from keras_dtype_policy.low_precision import torch_arena
 from keras_dtype_policy.low_precision import torch_coded_adam
 from keras_dtype_policy.low_precision import torch_kernels
 from keras_dtype_policy.low_precision import torch_noise
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
-from keras_dtype_policy.low_precision.step_targets import NOT_COMPUTED
 
 # The most elements one group's float32 working tensors cover on torch.
 TORCH_GROUP_ELEMENTS = 2**20
@@ -79,7 +79,7 @@ def can_batch(wrapper):
         return False
     if inner.gradient_accumulation_steps or inner.use_ema:
         return False
-    return _slots_by_variable(wrapper) is not None
+    return slot_lists.slots_by_variable(wrapper) is not None
 
 
 def is_package_adam(inner):
@@ -142,7 +142,7 @@ def _pieces(wrapper, grads, variables):
     """`(pieces, plain)`: the `Piece`s of the variables the wrapper keeps a
     view of, in order, and the `_Plain` rest."""
     targets = wrapper._targets
-    slots = _slots_by_variable(wrapper)
+    slots = slot_lists.slots_by_variable(wrapper)
     plain, pieces = _Plain([], []), []
     for grad, variable in zip(grads, variables, strict=True):
         view = targets.views.get(id(variable))
@@ -479,42 +479,3 @@ def _elements(variable):
     for dimension in variable.shape:
         count *= int(dimension)
     return count
-
-
-def _slots_by_variable(wrapper):
-    """Returns `{id(model variable): [its optimizer slots]}`, or None where
-    the inner optimizer keeps its slots in a way this module cannot see.
-
-    Keras' optimizers keep each kind of slot in a list with one entry a
-    variable (`_momentums`, `_velocities`, ...), in the order they were
-    built on; every slot must have its variable's shape.
-    """
-    targets = wrapper._targets
-    if targets.slots_by_variable is not NOT_COMPUTED:
-        return targets.slots_by_variable
-    inner = wrapper.inner_optimizer
-    order = targets.order
-    lists = [
-        value
-        for name, value in vars(inner).items()
-        if name not in ("_trainable_variables", "_variables")
-        and isinstance(value, list)
-        and len(value) == len(order)
-        and all(isinstance(v, keras.Variable) or v is None for v in value)
-        and any(isinstance(v, keras.Variable) for v in value)
-    ]
-    by_variable, found, shapes_match = {}, set(), True
-    for index, target in enumerate(order):
-        variable = getattr(target, "weight", target)
-        held = [slots[index] for slots in lists if slots[index] is not None]
-        shapes_match &= all(
-            tuple(slot.shape) == tuple(variable.shape) for slot in held
-        )
-        found.update(id(slot) for slot in held)
-        by_variable[id(variable)] = held
-    covered = set(targets.rounded_slots) <= found and (
-        set(targets.quantized_slots) <= found
-    )
-    result = by_variable if covered and shapes_match else None
-    targets.slots_by_variable = result
-    return result

@@ -11,6 +11,8 @@ rounding of a bfloat16 Kahan compensation, up to 2**-16 of the weight:
 hence a relative tolerance of 1e-4).
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -172,6 +174,8 @@ def test_tensorflow_updates_a_large_model_group_by_group(
     # Each (17, 9) weight alone, then 9 + 9 + 60 and 60 + 1 + 1 elements.
     assert len(groups) == 4
     for _, step in groups.values():
+        if isinstance(step, tensorflow_step.BoundGroupStep):
+            step = step.shared.function
         assert step.experimental_get_tracing_count() == 1
     assert int(optimizer.iterations.numpy()) == 6
 
@@ -213,26 +217,34 @@ def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
     np.testing.assert_allclose(table[[1, 5, 7]], 1.0 - 2e-2, atol=4e-3)
 
 
-def fit_dense_stack(policy, group_elements, monkeypatch, jit_compile=False):
+def fit_dense_stack(
+    policy,
+    group_elements,
+    monkeypatch,
+    jit_compile=False,
+    optimizer=None,
+    width=12,
+):
     """Weights (float32) and optimizer after `fit` of a small Dense stack
-    under `policy`, with `XLA_GROUP_ELEMENTS` set to `group_elements`."""
+    `width` wide under `policy`, with `XLA_GROUP_ELEMENTS` set to
+    `group_elements` (the optimizer Adam(1e-2), or `optimizer()`)."""
     import keras_dtype_policy as kdp
 
     monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", group_elements)
     keras.utils.set_random_seed(3)
     with kdp.policy_scope(policy):
         model = keras.Sequential(
-            [keras.Input((12,))]
-            + [keras.layers.Dense(12, activation="relu") for _ in range(3)]
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(3)]
             + [keras.layers.Dense(1)]
         )
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
+        optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2),
         loss="mean_squared_error",
         jit_compile=jit_compile,
     )
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 12)).astype("float32")
+    x = rng.normal(size=(32, width)).astype("float32")
     y = rng.normal(size=(32, 1)).astype("float32")
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     return [as_float32(w) for w in model.trainable_weights], model.optimizer
@@ -269,6 +281,70 @@ def test_tensorflow_groups_inside_a_jit_compiled_fit(monkeypatch):
     grouped, _ = fit_dense_stack("kahan_bfloat16", 200, monkeypatch, True)
     for a, b in zip(whole, grouped, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@pytest.mark.parametrize(
+    "policy", ["kahan_bfloat16", "stochastic_bfloat16_8bit", "mixed_bfloat16"]
+)
+def test_tensorflow_groups_of_equal_shapes_share_a_computation(
+    policy, monkeypatch
+):
+    # Each compiled computation keeps ~13 MiB resident (issue #43): groups
+    # whose variables and state have the same shapes and dtypes run one,
+    # their variables passed in, with the results of one a group.
+    import keras_dtype_policy as kdp
+
+    optimizer_of = {
+        "mixed_bfloat16": lambda: kdp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-2), state_dtype="8bit"
+        )
+    }
+    # 64 wide: the kernels' 4096 elements get 8-bit state.
+    fit = functools.partial(
+        fit_dense_stack, optimizer=optimizer_of.get(policy), width=64
+    )
+    shared, optimizer = fit(policy, 4200, monkeypatch)
+    monkeypatch.setattr(tensorflow_step, "SHAREABLE_OPTIMIZERS", ())
+    alone, unshared = fit(policy, 4200, monkeypatch)
+    for a, b in zip(shared, alone, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not unshared._step_cache.shared
+    # The three hidden layers are a group each, of the same shapes: one
+    # computation; the output layer another.
+    entries = list(optimizer._step_cache.shared.values())
+    assert len(entries) == 2
+    assert entries[0].checked and entries[0].usable
+    assert entries[0].function.experimental_get_tracing_count() == 1
+    steps = [held.step for held in optimizer._step_cache.groups.values()]
+    assert [s.shared for s in steps] == [entries[0]] * 3 + [entries[1]]
+    assert steps[0].state[0] is not steps[1].state[0]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_groups_share_nothing_unless_all_state_is_passed(
+    monkeypatch,
+):
+    # The safety net: where the state passed in misses something the
+    # update reads (here: every slot), the second group's trace captures
+    # other variables than the template's, and each group gets its own
+    # computation again: the same results, nothing shared.
+    from keras_dtype_policy.low_precision import slot_lists
+
+    fit = functools.partial(fit_dense_stack, width=64)
+    whole, _ = fit("stochastic_bfloat16_8bit", 10**9, monkeypatch)
+    monkeypatch.setattr(
+        slot_lists, "stored_state", lambda wrapper, variable: [variable]
+    )
+    grouped, optimizer = fit("stochastic_bfloat16_8bit", 4200, monkeypatch)
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    entries = list(optimizer._step_cache.shared.values())
+    assert entries[0].checked and not entries[0].usable
+    steps = [held.step for held in optimizer._step_cache.groups.values()]
+    # Only the template group itself still runs the traced computation.
+    bound = [isinstance(s, tensorflow_step.BoundGroupStep) for s in steps]
+    assert bound == [True, False, False, True]
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
