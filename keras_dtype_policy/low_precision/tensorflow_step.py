@@ -12,11 +12,15 @@ cannot do inside a replica's function): there the step runs op by op.
 
 XLA keeps every temporary of one computation (the float32 values of 8-bit
 state while it is requantized, the new values of the variables) until the
-computation ends, so a model larger than `XLA_GROUP_ELEMENTS` elements is
+computation ends, and compiling a computation takes some 20 MiB a
+variable it updates for a moment (2.1 GB for a 64-layer Dense stack of
+266k parameters as one computation). So a model of more than
+`XLA_GROUP_ELEMENTS` elements or `XLA_GROUP_VARIABLES` variables is
 updated group by group, one compiled computation each, after the parts of
 the step that need every gradient (clipping by the global norm, the
 learning rate, Nadam's product) ran once: the step's peak memory is then
-bounded by a group's temporaries, not the whole model's. Groups whose
+bounded by a group's temporaries and compilation, not the whole model's.
+Groups whose
 variables and state have the same shapes and dtypes share one compiled
 computation, the variables passed in (`SharedGroupStep`): a model of N
 equal layers compiles its update once, not N times (each computation
@@ -40,6 +44,8 @@ from keras_dtype_policy.low_precision import slot_lists
 # The most elements of variables one XLA computation updates (the torch
 # step's groups are `torch_step`'s own).
 XLA_GROUP_ELEMENTS = 2**23
+# The most variables one XLA computation updates.
+XLA_GROUP_VARIABLES = 4
 
 # The inner optimizers whose update of a variable depends, beyond the
 # shapes and dtypes of its state, only on what `_group_signature` keys:
@@ -150,7 +156,8 @@ def apply(wrapper, grads, trainable_variables):
     """Runs a `LowPrecisionOptimizer`'s step on TensorFlow.
 
     As one XLA computation, group by group above `XLA_GROUP_ELEMENTS`
-    elements, or op by op where it cannot compile (`can_compile`).
+    elements or `XLA_GROUP_VARIABLES` variables, or op by op where it
+    cannot compile (`can_compile`).
 
     Args:
         wrapper: The `LowPrecisionOptimizer`.
@@ -225,14 +232,17 @@ def step_cache(optimizer):
 def in_groups(variables):
     """True where the step over `variables` runs group by group.
 
-    Above `XLA_GROUP_ELEMENTS` elements, eagerly and inside `fit`'s
+    Above `XLA_GROUP_ELEMENTS` elements or `XLA_GROUP_VARIABLES`
+    variables, eagerly and inside `fit`'s
     `tf.function` alike (each group is an XLA computation of its own
     there too), but not while `compiled_apply` traces one computation for
     the whole step, where the groups would be that one computation.
     """
-    return _elements(variables) > XLA_GROUP_ELEMENTS and not getattr(
-        _TRACING, "active", False
+    large = (
+        _elements(variables) > XLA_GROUP_ELEMENTS
+        or len(variables) > XLA_GROUP_VARIABLES
     )
+    return large and not getattr(_TRACING, "active", False)
 
 
 @contextlib.contextmanager
@@ -249,9 +259,11 @@ def grouped_apply(optimizer, grads, trainable_variables):
     """Runs a `LowPrecisionOptimizer`'s step group by group.
 
     The gradients are prepared once (summed, unscaled, clipped), then each
-    group of variables of at most `XLA_GROUP_ELEMENTS` elements (a larger
-    variable alone) is updated by its own compiled computation, traced
-    once per group; the iteration count advances at the end.
+    group of at most `XLA_GROUP_VARIABLES` variables of at most
+    `XLA_GROUP_ELEMENTS` elements (a larger variable alone) is updated
+    by its own compiled computation (`SharedGroupStep`s shared by groups
+    of the same shapes), traced once per group; the iteration count
+    advances at the end.
 
     Args:
         optimizer: The `LowPrecisionOptimizer`.
@@ -409,12 +421,14 @@ def _same_captures(first, second):
 
 
 def _groups(variables):
-    """`variables` in order, in groups of at most `XLA_GROUP_ELEMENTS`
-    elements (a larger variable in a group of its own)."""
+    """`variables` in order, in groups of at most `XLA_GROUP_VARIABLES`
+    variables and `XLA_GROUP_ELEMENTS` elements (a larger variable in a
+    group of its own)."""
     group, filled = [], 0
     for variable in variables:
         size = block_codes.element_count(variable.shape)
-        if group and filled + size > XLA_GROUP_ELEMENTS:
+        full = len(group) >= XLA_GROUP_VARIABLES
+        if group and (full or filled + size > XLA_GROUP_ELEMENTS):
             yield group
             group, filled = [], 0
         group.append(variable)

@@ -66,6 +66,10 @@ def as_float32(x):
 
 def train(make_inner, fused, monkeypatch, state_dtype="float32", steps=6):
     with monkeypatch.context() as patch:
+        if tensorflow_step is not None:
+            # Eight variables: one computation unless a test groups them.
+            limit = max(tensorflow_step.XLA_GROUP_VARIABLES, len(SHAPES) * 2)
+            patch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", limit)
         if not fused:
             if torch_step is not None:
                 patch.setattr(torch_step, "can_batch", lambda wrapper: False)
@@ -165,6 +169,7 @@ def test_tensorflow_updates_a_large_model_group_by_group(
     # product) ran once: the same results as one computation.
     whole, one = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
     monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", 10**9)
     grouped, optimizer = train(OPTIMIZERS[name], True, monkeypatch, state_dtype)
     for a, b in zip(whole, grouped, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -187,12 +192,15 @@ def test_tensorflow_groups_take_an_embedding_gradient(monkeypatch):
     import tensorflow as tf
 
     monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", 10**9)
     results = []
     for grouped in (False, True):
         if grouped:
             monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 100)
+            monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", 10**9)
         else:
             monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", 10**9)
+            monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", 10**9)
         table = keras.Variable(np.ones((40, 8), "float32"), dtype="bfloat16")
         bias = keras.Variable(np.zeros((8,), "float32"))
         optimizer = LowPrecisionOptimizer(
@@ -224,13 +232,16 @@ def fit_dense_stack(
     jit_compile=False,
     optimizer=None,
     width=12,
+    group_variables=10**9,
 ):
     """Weights (float32) and optimizer after `fit` of a small Dense stack
     `width` wide under `policy`, with `XLA_GROUP_ELEMENTS` set to
-    `group_elements` (the optimizer Adam(1e-2), or `optimizer()`)."""
+    `group_elements` and `XLA_GROUP_VARIABLES` to `group_variables` (the
+    optimizer Adam(1e-2), or `optimizer()`)."""
     import keras_dtype_policy as kdp
 
     monkeypatch.setattr(tensorflow_step, "XLA_GROUP_ELEMENTS", group_elements)
+    monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", group_variables)
     keras.utils.set_random_seed(3)
     with kdp.policy_scope(policy):
         model = keras.Sequential(
@@ -322,6 +333,26 @@ def test_tensorflow_groups_of_equal_shapes_share_a_computation(
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_tensorflow_groups_at_most_four_variables(monkeypatch):
+    # Compiling one computation takes ~20 MiB a variable it updates for a
+    # moment (2.1 GB for a 64-layer stack of 266k parameters, issue #43):
+    # a small model of more than four variables is updated group by group
+    # too, with the results of one computation.
+    policy = "stochastic_bfloat16_8bit"
+    whole, one = fit_dense_stack(policy, 2**23, monkeypatch)
+    grouped, optimizer = fit_dense_stack(
+        policy, 2**23, monkeypatch, group_variables=4
+    )
+    for a, b in zip(whole, grouped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert one._step_cache.steps and not one._step_cache.groups
+    # Eight variables: two hidden layers a group, four variables each.
+    held = optimizer._step_cache.groups
+    assert [len(h.key.variables) for h in held.values()] == [4, 4]
+    assert tensorflow_step.XLA_GROUP_VARIABLES == 4
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_tensorflow_groups_share_nothing_unless_all_state_is_passed(
     monkeypatch,
 ):
@@ -360,6 +391,7 @@ def test_tensorflow_loss_scaled_large_model_runs_inner_groups(monkeypatch):
         monkeypatch.setattr(
             tensorflow_step, "XLA_GROUP_ELEMENTS", group_elements
         )
+        monkeypatch.setattr(tensorflow_step, "XLA_GROUP_VARIABLES", 10**9)
         weights = [
             keras.Variable(np.ones((30, 30), "float32"), dtype="bfloat16"),
             keras.Variable(np.ones((20, 30), "float32"), dtype="bfloat16"),
