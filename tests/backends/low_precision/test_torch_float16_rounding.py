@@ -333,3 +333,46 @@ def test_float16_weights_with_bfloat16_state_take_both_kernels(monkeypatch):
         value = keras.ops.convert_to_numpy(weight.value).astype("float32")
         assert np.isfinite(value).all()
         assert (value < start).all()
+
+
+def float16_neighbours(values):
+    """The float16 values just below and just above float32 `values`
+    (the same where a value is a float16 value)."""
+    nearest = values.astype("float16")
+    too_high = nearest.astype("float32") > values
+    too_low = nearest.astype("float32") < values
+    below = np.where(too_high, np.nextafter(nearest, -np.inf), nearest)
+    above = np.where(too_low, np.nextafter(nearest, np.inf), nearest)
+    return below, above
+
+
+def test_a_group_of_float16_weights_is_each_stored_in_place(monkeypatch):
+    """Weights of several shapes in one group, rounded in one pass into
+    staging space, each get their own values back: every stored value
+    is a float16 neighbour of its exact update."""
+    from keras_dtype_policy import LowPrecisionOptimizer
+    from keras_dtype_policy.low_precision import torch_kernels
+
+    calls = counting(monkeypatch, torch_kernels, "round_to_float16")
+    no_portable_rounding(monkeypatch)
+    rng = np.random.default_rng(7)
+    shapes = [(33, 17), (17,), (5, 3, 2), (1,)]
+    starts = [
+        rng.normal(size=shape).astype("float16") * (i + 1)
+        for i, shape in enumerate(shapes)
+    ]
+    grads = [rng.normal(size=shape).astype("float16") for shape in shapes]
+    weights = [keras.Variable(start, dtype="float16") for start in starts]
+    optimizer = LowPrecisionOptimizer(
+        keras.optimizers.SGD(0.01), update="stochastic_rounding", seed=3
+    )
+    optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], weights)
+    assert len(calls) == 1
+    for weight, start, grad in zip(weights, starts, grads, strict=True):
+        exact = start.astype("float32") - np.float32(0.01) * grad.astype(
+            "float32"
+        )
+        below, above = float16_neighbours(exact)
+        stored = keras.ops.convert_to_numpy(weight.value)
+        assert stored.dtype == np.float16
+        assert ((stored == below) | (stored == above)).all()
