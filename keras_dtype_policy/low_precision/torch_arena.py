@@ -110,8 +110,9 @@ class Arena:
         for role, size in sizes.items():
             self.regions[role] = (start, start + size)
             start += size
-        # bfloat16 staging of the rounded region, int8 codes and scales
-        # staging of the largest code region (4 codes a float32 at most).
+        # bfloat16 or float16 staging of the rounded region, int8 codes
+        # and scales staging of the largest code region (4 codes a
+        # float32 at most).
         staging = -(-sizes[ROUNDED] // 2) + 2 * max(coded, default=0)
         total = start + staging
         space = wrapper._targets.torch_arena

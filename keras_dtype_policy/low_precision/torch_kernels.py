@@ -10,8 +10,8 @@ give the same bits:
 
 - `dequantize` and `quantize`: the block codes of 8-bit and 4-bit state,
   `block_codes`' codes and scales bit for bit when rounding to nearest;
-- `round_to_bfloat16`: stochastic rounding of float32 values into
-  bfloat16 storage.
+- `round_to_bfloat16` and `round_to_float16`: stochastic rounding of
+  float32 values into bfloat16 and float16 storage.
 
 Stochastic rounding hashes each element's index with a key drawn from
 the step's stream (`torch_noise.TorchNoise.kernel_key`) inside the kernel
@@ -114,6 +114,23 @@ def round_to_bfloat16(stored, working, key):
     run(_round_to_bfloat16, (stored, working.view(torch.int32)), key)
 
 
+def round_to_float16(stored, working, key):
+    """Stores float32 `working` into float16 `stored`, rounded
+    stochastically (`torch_numerics.stochastic_float16`, 13 random bits
+    an element hashed from `key`).
+
+    Args:
+        stored: The float16 torch tensor to write.
+        working: The float32 values, a torch tensor of as many elements.
+        key: A kernel key (`torch_noise.TorchNoise.kernel_key`).
+    """
+    # The bit pattern as integers: no bit cast of an input in the kernel
+    # (and no second view of `working`, which shares `stored`'s storage
+    # in the torch step: aot_autograd refuses aliased inputs beside a
+    # written one).
+    run(_round_to_float16, (stored, working.view(torch.int32)), key)
+
+
 def run(body, tensors, *rest, eager=False, **constants):
     """Calls `body(*tensors, *rest, **constants)` as a compiled kernel
     where one compiles (`eager` False), else as it is.
@@ -199,3 +216,14 @@ def _round_to_bfloat16(stored, pattern, key):
     rounded = torch_numerics.stochastic_bfloat16(pattern, bits)
     # The low half cleared, the float32 is a bfloat16 value: exact.
     stored.copy_(rounded.view(stored.shape).to(torch.bfloat16))
+
+
+def _round_to_float16(stored, pattern, key):
+    pattern = pattern.reshape(-1)
+    # The values from their bits: a bit cast of a computed tensor (as in
+    # `torch_numerics.stochastic_bfloat16`), not of the input.
+    values = (pattern | 0).view(torch.float32)
+    words = torch_numerics.hashed_words(pattern.shape[0], key, pattern.device)
+    bits = torch_numerics.float16_bits(words)
+    rounded = torch_numerics.stochastic_float16(values, pattern, bits)
+    stored.copy_(rounded.view(stored.shape).to(torch.float16))

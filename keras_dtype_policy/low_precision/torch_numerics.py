@@ -22,6 +22,14 @@ from keras_dtype_policy.low_precision import random_bits
 # The high 16 bits of a float32's bit pattern are its bfloat16 value.
 _LOW_HALF = 0xFFFF
 _HIGH_HALF = -65536
+# float16 keeps 10 of float32's 23 mantissa bits: 13 dropped.
+FLOAT16_DROPPED = 13
+_FLOAT16_KEPT = -(2**FLOAT16_DROPPED)
+# float16's smallest normal number, the step of its subnormal values and
+# its largest number (`compensated_updates`' constants).
+_FLOAT16_MIN_NORMAL = 2.0**-14
+_FLOAT16_SUBNORMAL_STEP = 2.0**-24
+_FLOAT16_MAX = 65504.0
 
 
 def logical_right_shift(x, bits):
@@ -186,6 +194,38 @@ def stochastic_bfloat16(pattern, bits):
         bits: int32 values in `[0, 2**16)` of `pattern`'s shape.
     """
     return ((pattern + bits) & _HIGH_HALF).view(torch.float32)
+
+
+def stochastic_float16(values, pattern, bits):
+    """float32 values rounded stochastically to float16 values (still
+    float32), `compensated_updates.stochastic_round`'s float16 arithmetic
+    in the same float32 operations: 13 random bits added below float16's
+    mantissa and cleared; below float16's normal range (2**-14) rounded
+    on its 2**-24 grid with the same bits; beyond its largest number
+    (65504) and where not finite, the values themselves, for the cast.
+
+    Args:
+        values: float32 values.
+        pattern: Their bit patterns, as int32.
+        bits: int32 values in `[0, 2**13)` of `values`' shape.
+
+    Returns:
+        float32 values; cast to float16 they are the stored values.
+    """
+    rounded = ((pattern + bits) & _FLOAT16_KEPT).view(torch.float32)
+    uniform = bits.to(torch.float32) * (1.0 / float(2**FLOAT16_DROPPED))
+    grid = torch.floor(values * (1.0 / _FLOAT16_SUBNORMAL_STEP) + uniform)
+    grid = grid * _FLOAT16_SUBNORMAL_STEP
+    magnitude = torch.abs(values)
+    rounded = torch.where(magnitude < _FLOAT16_MIN_NORMAL, grid, rounded)
+    keep = (magnitude > _FLOAT16_MAX) | ~torch.isfinite(values)
+    return torch.where(keep, values, rounded)
+
+
+def float16_bits(words):
+    """13 random bits an element from hashed int32 `words` (their top
+    bits), as values in `[0, 2**13)`."""
+    return logical_right_shift(words, 32 - FLOAT16_DROPPED)
 
 
 def nearest(values, dtype):

@@ -10,9 +10,9 @@ writes every result back rounded, with batched operations. Each end of a
 group's step is one operation for the whole group, not one a tensor: one
 batched copy widens what is stored narrow, one kernel
 (`torch_kernels`) dequantizes each code's slots and one quantizes them
-back, one rounds every value stored stochastically into bfloat16;
-staging space and one batched copy carry codes and rounded values
-between the group's working space and each tensor. Groups hold at most
+back, one rounds every value stored stochastically into bfloat16 (or
+float16); staging space and one batched copy carry codes and rounded
+values between the group's working space and each tensor. Groups hold at most
 `TORCH_GROUP_ELEMENTS` elements, so the float32 working copies never
 exceed a bounded size whatever the model, and each lives only for its
 group.
@@ -356,20 +356,23 @@ def _unstage(arena, staged):
 def _store_rounded_region(arena, noise):
     """Stores every value of the rounded region, rounded stochastically.
 
-    Into bfloat16 the whole region is rounded in one pass into staging
-    space, then copied out in one batched copy; other storage (float16)
-    is rounded tensor by tensor.
+    Where every stored tensor is bfloat16, or every one float16, the
+    whole region is rounded in one pass into staging space viewed as
+    that dtype, then copied out in one batched copy; mixed storage is
+    rounded tensor by tensor.
     """
     workings = arena.rounded
     if not workings:
         return
     stored = [arena.stored[id(working)] for working in workings]
-    if any(s.dtype != torch.bfloat16 for s in stored):
+    dtypes = {s.dtype for s in stored}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    if _rounding_kernel(dtype) is None:
         for target, working in zip(stored, workings, strict=True):
             store_rounded(target, working, noise)
         return
     region = arena.region(torch_arena.ROUNDED)
-    staged = arena.staging.view(torch.bfloat16)[: region.numel()]
+    staged = arena.staging.view(dtype)[: region.numel()]
     store_rounded(staged, region, noise)
     copies, start = torch_arena.Copies(), 0
     for target, working in zip(stored, workings, strict=True):
@@ -450,9 +453,10 @@ def _write_weight(wrapper, piece, arena, nearest):
 def store_rounded(stored, working, noise):
     """Stores float32 `working` into `stored`, rounded stochastically.
 
-    bfloat16 storage takes `torch_kernels.round_to_bfloat16` (16 random
-    bits hashed from a key of `noise`, added to the bit pattern); float16
-    takes `compensated_updates.stochastic_round`, seeded from a key.
+    bfloat16 and float16 storage take a kernel (`_rounding_kernel`: 16
+    or 13 random bits hashed from a key of `noise`, added below the kept
+    mantissa); any other dtype `compensated_updates.stochastic_round`,
+    seeded from a key.
 
     Args:
         stored: The bfloat16 or float16 torch tensor to write.
@@ -465,13 +469,24 @@ def store_rounded(stored, working, noise):
             f"Received: noise={noise!r} (of type {type(noise).__name__})"
         )
     key = noise.kernel_key()
-    if stored.dtype == torch.bfloat16:
-        torch_kernels.round_to_bfloat16(stored, working, key)
+    kernel = _rounding_kernel(stored.dtype)
+    if kernel is not None:
+        kernel(stored, working, key)
         return
     seed = int(key[0]) | (int(key[1]) << 15)
     stored.copy_(
         compensated_updates.stochastic_round(working, stored.dtype, seed)
     )
+
+
+def _rounding_kernel(dtype):
+    """The `torch_kernels` function storing values into `dtype` rounded
+    stochastically, or None (dtypes other than bfloat16 and float16)."""
+    if dtype == torch.bfloat16:
+        return torch_kernels.round_to_bfloat16
+    if dtype == torch.float16:
+        return torch_kernels.round_to_float16
+    return None
 
 
 def _elements(variable):

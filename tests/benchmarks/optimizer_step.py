@@ -27,7 +27,8 @@ QUICK_DEPTH = 2
 STREAM_ELEMENTS = 2**25  # float32: 128 MiB an array
 LEARNING_RATE = 1e-4
 # Benchmark 10's configurations (name: policy, LowPrecisionOptimizer
-# arguments or None), those that keep bfloat16 or float32 weights.
+# arguments or None), those that keep bfloat16 or float32 weights, and
+# the float16 forms.
 CONFIGURATIONS = {
     name: quantized_state_probe.CONFIGURATIONS[name]
     for name in (
@@ -39,6 +40,10 @@ CONFIGURATIONS = {
         "stochastic_bfloat16_4bit",
     )
 }
+# The float16 forms (benchmark 9's policies): float16 weights, float32
+# state, Kahan-compensated or rounded stochastically.
+CONFIGURATIONS["kahan_float16"] = ("kahan_float16", None)
+CONFIGURATIONS["stochastic_float16"] = ("stochastic_float16", None)
 
 
 def run(sizes):
