@@ -296,6 +296,12 @@ class LossScaleOptimizer(
                 # the scale's update run around them.
                 self._common_apply(grads, trainable_variables)
                 return
+            if not step.compiles_whole_step(variables):
+                # Op by op, as Keras' own wrapper: compiling a step of
+                # this many variables would cost more memory than it saves
+                # time.
+                self._common_apply(grads, trainable_variables)
+                return
             # One XLA computation for the whole step (Keras runs TensorFlow
             # op by op on a CPU).
             step.compiled_apply(self, grads, variables, step=self._common_apply)

@@ -68,3 +68,35 @@ def test_fit_skips_overflowing_steps(run_eagerly, jit_compile, dynamic):
     predictions = model.predict(x_clean, verbose=0)
     assert predictions.dtype == np.float32
     assert np.all(np.isfinite(predictions))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@pytest.mark.parametrize("depth", [3, 12])
+def test_tensorflow_compiles_the_whole_step_of_few_variables(depth):
+    # Compiling the whole loss-scaled step takes ~2.4 MiB a variable for
+    # Adam: above XLA_WHOLE_STEP_VARIABLES (16) the step runs op by op, as
+    # Keras' own wrapper does (issue #43), skipping overflowing steps the
+    # same way.
+    from keras_dtype_policy import backend_dispatch
+
+    step = backend_dispatch.module_for("low_precision_step")
+    with kdp.policy_scope("mixed_float16"):
+        model = keras.Sequential(
+            [keras.Input((5,))]
+            + [keras.layers.Dense(8, activation="relu") for _ in range(depth)]
+            + [keras.layers.Dense(1, dtype="float32")]
+        )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    x, y = overflowing_batches()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    optimizer = model.optimizer
+    variables = 2 * (depth + 1)
+    assert step.compiles_whole_step(range(variables)) == (depth == 3)
+    assert bool(optimizer._step_cache.steps) == (depth == 3)
+    # Six batches: each applied or skipped (the third overflows, and the
+    # first scale of 2**15 too).
+    applied = int(to_numpy(optimizer.iterations))
+    skipped = int(to_numpy(optimizer._skipped_step_counter))
+    assert applied + skipped == 6 and skipped >= 1 and applied >= 1
+    for weight in model.trainable_weights:
+        assert np.all(np.isfinite(to_numpy(weight)))
