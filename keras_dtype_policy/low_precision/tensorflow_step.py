@@ -12,8 +12,8 @@ cannot do inside a replica's function): there the step runs op by op.
 
 XLA keeps every temporary of one computation (the float32 values of 8-bit
 state while it is requantized, the new values of the variables) until the
-computation ends, and compiling a computation takes some 20 MiB a
-variable it updates for a moment (2.1 GB for a 64-layer Dense stack of
+computation ends, and compiling a computation takes some 15-20 MiB a
+variable it updates for a moment (1.8 GiB for a 64-layer Dense stack of
 266k parameters as one computation). So a model of more than
 `XLA_GROUP_ELEMENTS` elements or `XLA_GROUP_VARIABLES` variables is
 updated group by group, one compiled computation each, after the parts of
@@ -50,7 +50,7 @@ XLA_GROUP_VARIABLES = 4
 # optimizer's update, the scale's) the package's `LossScaleOptimizer`
 # compiles as one computation; above, it runs op by op as Keras' own
 # wrapper does. Compiling Adam's step takes ~2.4 MiB a variable (a Dense
-# stack of 128 variables: 1191 MB at its peak against Keras' 878).
+# stack of 128 variables: 1191 MiB at its peak against Keras' 878).
 XLA_WHOLE_STEP_VARIABLES = 16
 
 # The inner optimizers whose update of a variable depends, beyond the

@@ -334,7 +334,7 @@ def test_tensorflow_groups_of_equal_shapes_share_a_computation(
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_tensorflow_groups_at_most_four_variables(monkeypatch):
-    # Compiling one computation takes ~20 MiB a variable it updates for a
+    # Compiling one computation takes 15-20 MiB a variable it updates for a
     # moment (2.1 GB for a 64-layer stack of 266k parameters, issue #43):
     # a small model of more than four variables is updated group by group
     # too, with the results of one computation.
