@@ -335,7 +335,7 @@ def test_tensorflow_groups_of_equal_shapes_share_a_computation(
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_tensorflow_groups_at_most_four_variables(monkeypatch):
     # Compiling one computation takes 15-20 MiB a variable it updates for a
-    # moment (2.1 GB for a 64-layer stack of 266k parameters, issue #43):
+    # moment (1.8 GiB more for a 64-layer stack of 266k parameters, #43):
     # a small model of more than four variables is updated group by group
     # too, with the results of one computation.
     policy = "stochastic_bfloat16_8bit"
