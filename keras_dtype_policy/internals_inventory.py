@@ -76,7 +76,7 @@ KERAS_INTERNALS = (
         _OPTIMIZER,
         "_variables",
         "loss_scaling.optimizer loss_scaling.optimizer_state "
-        f"{_LP}.optimizer {_LP}.state_sharding {_LP}.torch_step",
+        f"{_LP}.optimizer {_LP}.state_sharding {_LP}.slot_lists",
         "Every value an optimizer tracks, in Keras' save order.",
         on_instances=True,
     ),
@@ -84,7 +84,7 @@ KERAS_INTERNALS = (
         _OPTIMIZER,
         "_trainable_variables",
         "loss_scaling.optimizer loss_scaling.optimizer_state "
-        f"{_LP}.optimizer {_LP}.torch_step",
+        f"{_LP}.optimizer {_LP}.slot_lists",
         "The variables an optimizer was built on, in slot order.",
         on_instances=True,
     ),
@@ -138,7 +138,7 @@ KERAS_INTERNALS = (
     _internal(
         _OPTIMIZER,
         "_use_weight_decay",
-        f"{_LP}.optimizer {_LP}.torch_coded_adam",
+        f"{_LP}.optimizer {_LP}.torch_coded_adam {_LP}.tensorflow_step",
         "Which variables the inner optimizer decays.",
     ),
     _internal(
