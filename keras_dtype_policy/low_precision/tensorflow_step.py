@@ -20,11 +20,10 @@ updated group by group, one compiled computation each, after the parts of
 the step that need every gradient (clipping by the global norm, the
 learning rate, Nadam's product) ran once: the step's peak memory is then
 bounded by a group's temporaries and compilation, not the whole model's.
-Groups whose
-variables and state have the same shapes and dtypes share one compiled
-computation, the variables passed in (`SharedGroupStep`): a model of N
-equal layers compiles its update once, not N times (each computation
-keeps ~13 MiB of traced graph and compiled code resident).
+Groups whose variables and state have the same shapes and dtypes share
+one compiled computation, the variables passed in (`SharedGroupStep`): a
+model of N equal layers compiles its update once, not N times (each
+computation keeps ~13 MiB of traced graph and compiled code resident).
 
 This module imports TensorFlow at its top: the package reaches it through
 `backend_dispatch.module_for("low_precision_step")`, only on TensorFlow.
@@ -245,10 +244,10 @@ def in_groups(variables):
     """True where the step over `variables` runs group by group.
 
     Above `XLA_GROUP_ELEMENTS` elements or `XLA_GROUP_VARIABLES`
-    variables, eagerly and inside `fit`'s
-    `tf.function` alike (each group is an XLA computation of its own
-    there too), but not while `compiled_apply` traces one computation for
-    the whole step, where the groups would be that one computation.
+    variables, eagerly and inside `fit`'s `tf.function` alike (each group
+    is an XLA computation of its own there too), but not while
+    `compiled_apply` traces one computation for the whole step, where the
+    groups would be that one computation.
     """
     large = (
         _elements(variables) > XLA_GROUP_ELEMENTS
