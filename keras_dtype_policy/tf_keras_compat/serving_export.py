@@ -61,4 +61,25 @@ def export_for_serving(
     # `keras_copy` checks `model` and `policy`; serving needs no optimizer,
     # so none is built and no state dequantized.
     copy = keras_alone.keras_copy(model, policy, with_optimizer=False)
+    if model.built and "input_signature" not in kwargs:
+        _call_once(copy)
     copy.export(path, format=format, **kwargs)
+
+
+def _call_once(copy: keras.Model) -> None:
+    """Calls `copy` on one example of zeros.
+
+    A copy rebuilt from its config has never been called, and Keras'
+    ONNX export reads its input signature only from a called model.
+    """
+    inputs = getattr(copy, "inputs", None)
+    if not inputs:
+        return
+    zeros = [
+        keras.ops.zeros(
+            [1 if size is None else size for size in tensor.shape],
+            dtype=tensor.dtype,
+        )
+        for tensor in inputs
+    ]
+    copy(zeros[0] if len(zeros) == 1 else zeros)

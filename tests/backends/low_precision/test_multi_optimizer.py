@@ -412,3 +412,109 @@ def test_short_form_config_round_trip_and_resume(tmp_path):
         as_numpy(model.weights), as_numpy(loaded.weights), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["kahan_bfloat16_8bit", "mixed_float16"])
+def test_weights_file_resumes_exactly(policy, tmp_path):
+    x, y = data()
+    model = make_model(policy)
+    model.compile(issue_optimizer(), "mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    model.save_weights(tmp_path / "run.weights.h5")
+    # Built and compiled like the first, then loaded before any step.
+    resumed = make_model(policy)
+    resumed.compile(issue_optimizer(), "mse")
+    resumed.load_weights(tmp_path / "run.weights.h5")
+    for each in (model, resumed):
+        each.fit(x[:16], y[:16], batch_size=16, verbose=0, shuffle=False)
+    for a, b in zip(
+        as_numpy(model.weights), as_numpy(resumed.weights), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def sub_optimizers(model):
+    return {
+        f"sub_optimizer_{index}": optimizer
+        for index, optimizer in enumerate(multi_of(model.optimizer).optimizers)
+    }
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.train.Checkpoint is TensorFlow's"
+)
+@pytest.mark.parametrize("policy", ["stochastic_bfloat16", "mixed_float16"])
+def test_tf_checkpoint_resumes_exactly_with_the_sub_optimizers_named(
+    policy, tmp_path
+):
+    import tensorflow as tf
+
+    x, y = data()
+    model = make_model(policy)
+    model.compile(issue_optimizer(), "mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    # Keras' MultiOptimizer does not track its sub-optimizers for
+    # TensorFlow (Keras 3.15.1, with or without the package): a checkpoint
+    # of `optimizer=` alone holds none of their state. Named beside it,
+    # they are written and read.
+    path = tf.train.Checkpoint(
+        model=model, optimizer=model.optimizer, **sub_optimizers(model)
+    ).write(str(tmp_path / "run"))
+    resumed = make_model(policy)
+    resumed.compile(issue_optimizer(), "mse")
+    resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(
+        model=resumed, optimizer=resumed.optimizer, **sub_optimizers(resumed)
+    ).read(path).assert_consumed()
+    for each in (model, resumed):
+        each.fit(x[:16], y[:16], batch_size=16, verbose=0, shuffle=False)
+    for a, b in zip(
+        as_numpy(model.weights), as_numpy(resumed.weights), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    # Keras' limit, kept in view: without the names, the sub-optimizers'
+    # step counts are not restored.
+    path = tf.train.Checkpoint(optimizer=model.optimizer).write(
+        str(tmp_path / "optimizer_alone")
+    )
+    again = make_model(policy)
+    again.compile(issue_optimizer(), "mse")
+    again.optimizer.build(again.trainable_variables)
+    tf.train.Checkpoint(optimizer=again.optimizer).read(path)
+    counts = [
+        int(o.iterations.numpy()) for o in multi_of(again.optimizer).optimizers
+    ]
+    assert counts == [0, 0]
+
+
+def test_exported_for_serving_computes_what_the_model_does(tmp_path):
+    x, y = data()
+    model = make_model("kahan_bfloat16_8bit")
+    model.compile(issue_optimizer(), "mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    if BACKEND == "torch":
+        import torch
+
+        kdp.export_for_serving(
+            model,
+            tmp_path / "served.pt2",
+            format="torch",
+            policy="float32",
+            input_signature=[keras.InputSpec(shape=x.shape, dtype="int32")],
+        )
+        program = torch.export.load(str(tmp_path / "served.pt2")).module()
+        with torch.no_grad():
+            served = program(torch.from_numpy(x)).numpy()
+    else:
+        tf = pytest.importorskip(
+            "tensorflow",
+            reason="Keras exports a SavedModel from JAX through jax2tf, which "
+            "needs TensorFlow; this environment has none",
+        )
+        kdp.export_for_serving(model, tmp_path / "served", policy="float32")
+        loaded = tf.saved_model.load(str(tmp_path / "served"))
+        served = loaded.serve(tf.constant(x)).numpy()
+    # Served in float32 from the bfloat16 weights (Kahan compensation
+    # added): within bfloat16's rounding of the bfloat16 model.
+    predicted = as_numpy([model.predict(x, verbose=0)])[0]
+    np.testing.assert_allclose(served, predicted, rtol=3e-2, atol=3e-2)

@@ -12,38 +12,14 @@ import importlib.util
 import keras
 import numpy as np
 import pytest
+from serving_models import CONFIGURATIONS
+from serving_models import X
+from serving_models import float32_reference
+from serving_models import predicted
+from serving_models import trained
 from testing import BACKEND
 
 import keras_dtype_policy as kdp
-
-CONFIGURATIONS = {
-    "kahan_bfloat16": None,
-    "stochastic_bfloat16_8bit": None,
-    "kahan_float16": None,
-    "mixed_bfloat16_8bit": {"update": "nearest", "state_dtype": "8bit"},
-}
-X = np.random.RandomState(0).randn(16, 12).astype("float32")
-Y = np.tanh(X[:, :4])
-
-
-def trained(configuration):
-    arguments = CONFIGURATIONS[configuration]
-    policy = "mixed_bfloat16" if arguments else configuration
-    keras.utils.set_random_seed(0)
-    with kdp.policy_scope(policy):
-        model = keras.Sequential(
-            [
-                keras.Input((12,)),
-                keras.layers.Dense(32, activation="relu"),
-                keras.layers.Dense(4),
-            ]
-        )
-    optimizer = keras.optimizers.Adam(1e-2)
-    if arguments:
-        optimizer = kdp.LowPrecisionOptimizer(optimizer, **arguments)
-    model.compile(optimizer, "mse")
-    model.fit(X, Y, batch_size=8, epochs=2, verbose=0)
-    return model
 
 
 def exported_and_served(model, tmp_path, policy):
@@ -80,12 +56,6 @@ def exported_and_served(model, tmp_path, policy):
     return tf.cast(loaded.serve(tf.constant(X)), "float32").numpy()
 
 
-def predicted(model):
-    return keras.ops.convert_to_numpy(
-        keras.ops.cast(model.predict(X, verbose=0), "float32")
-    )
-
-
 @pytest.mark.parametrize("configuration", sorted(CONFIGURATIONS))
 def test_served_in_the_training_dtype_computes_what_the_model_does(
     configuration, tmp_path
@@ -103,12 +73,9 @@ def test_served_in_float32_computes_the_weights_in_float32(
 ):
     model = trained(configuration)
     served = exported_and_served(model, tmp_path, policy="float32")
-    # The reference: the float32 model `save_for_keras` writes (the
-    # weights with their Kahan compensation added, in float32), loaded by
+    # The reference: the float32 model `save_for_keras` writes, loaded by
     # Keras and run in float32.
-    kdp.save_for_keras(model, tmp_path / "float32.keras", policy="float32")
-    reference = keras.saving.load_model(tmp_path / "float32.keras")
-    assert reference.layers[0].dtype_policy.compute_dtype == "float32"
+    reference = float32_reference(model, tmp_path / "float32.keras")
     np.testing.assert_allclose(
         served, predicted(reference), rtol=1e-5, atol=1e-5
     )
