@@ -108,18 +108,10 @@ def route(
             f"Received: optimizer={multi.name!r} (built)"
         )
     wrapped: dict[int, keras.optimizers.Optimizer] = {}
-
-    def routed(sub):
-        if id(sub) not in wrapped:
-            wrapped[id(sub)] = wrap(sub)
-        return wrapped[id(sub)]
-
+    routed = _once_each(wrap, wrapped)
     selector = multi._optimizer_map
     if isinstance(selector, keras.optimizers.OptimizerMap):
-        new_selector = keras.optimizers.OptimizerMap(
-            routed(selector.default_optimizer),
-            {key: routed(selector[key]) for key in selector},
-        )
+        new_selector = _mapped_with(selector, routed)
         if all(wrapped[key] is sub for key, sub in _by_id(selector)):
             return multi
     else:
@@ -128,6 +120,50 @@ def route(
             new_selector(variable)
     return type(multi)(
         new_selector, loss_scale_factor=multi.loss_scale_factor, name=multi.name
+    )
+
+
+def with_sub_optimizers(
+    multi: keras.optimizers.Optimizer,
+    make: Callable[[keras.optimizers.Optimizer], keras.optimizers.Optimizer],
+) -> keras.optimizers.Optimizer:
+    """Returns a new MultiOptimizer whose map sends each key to `make`
+    of its sub-optimizer (called once per sub-optimizer), in the same
+    order, with `multi`'s class, name and `loss_scale_factor`.
+
+    Raises:
+        ValueError: If `multi` picks its sub-optimizers with a callable
+            instead of an `OptimizerMap` (a callable cannot be rewritten).
+    """
+    selector = multi._optimizer_map
+    if not isinstance(selector, keras.optimizers.OptimizerMap):
+        raise ValueError(
+            "Only a MultiOptimizer with a keras.optimizers.OptimizerMap can "
+            "have its sub-optimizers replaced; this one picks them with "
+            f"{selector!r}. Received: optimizer={multi.name!r}"
+        )
+    return type(multi)(
+        _mapped_with(selector, _once_each(make, {})),
+        loss_scale_factor=multi.loss_scale_factor,
+        name=multi.name,
+    )
+
+
+def _once_each(make, made):
+    """`make`, called once per optimizer (by identity), kept in `made`."""
+
+    def once(sub):
+        if id(sub) not in made:
+            made[id(sub)] = make(sub)
+        return made[id(sub)]
+
+    return once
+
+
+def _mapped_with(selector, make):
+    return keras.optimizers.OptimizerMap(
+        make(selector.default_optimizer),
+        {key: make(selector[key]) for key in selector},
     )
 
 

@@ -29,6 +29,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
+from keras_dtype_policy.low_precision import multi_optimizers
 from keras_dtype_policy.policies import keras_nearest
 from keras_dtype_policy.policies import precision_rules
 from keras_dtype_policy.policies import rules_application
@@ -135,9 +136,7 @@ def keras_optimizer_for(optimizer):
         user's inner class).
     """
     parts = state_transfer.unwrapped(optimizer)
-    inner = keras.optimizers.deserialize(
-        keras.optimizers.serialize(parts.inner)
-    )
+    inner = _keras_copy_of(parts.inner)
     scaler = parts.loss_scale
     if scaler is None:
         return inner
@@ -151,6 +150,17 @@ def keras_optimizer_for(optimizer):
     config = inner.get_config()
     config["loss_scale_factor"] = float(scaler.initial_scale)
     return type(inner).from_config(config)
+
+
+def _keras_copy_of(optimizer):
+    """A new Keras optimizer like `optimizer` (a MultiOptimizer's
+    sub-optimizers each the Keras one inside the package's wrapper)."""
+    if multi_optimizers.is_multi_optimizer(optimizer):
+        return multi_optimizers.with_sub_optimizers(
+            optimizer,
+            lambda sub: _keras_copy_of(state_transfer.unwrapped(sub).inner),
+        )
+    return keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
 
 
 def check_keras_only(config, name):

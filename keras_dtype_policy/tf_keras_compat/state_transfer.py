@@ -29,6 +29,7 @@ import numpy as np
 from keras import ops
 
 from keras_dtype_policy.low_precision import compensated_updates
+from keras_dtype_policy.low_precision import multi_optimizers
 from keras_dtype_policy.low_precision.optimizer import LowPrecisionOptimizer
 from keras_dtype_policy.low_precision.quantized_slots import QuantizedSlot
 
@@ -65,12 +66,15 @@ class OptimizerState:
             for a schedule).
         slots: `{slot name: float32 array}`.
         loss_scale: The `ScaleState`, or None without loss scaling.
+        subs: For a Keras `MultiOptimizer`, the `OptimizerState` of each
+            sub-optimizer, in its order; else empty.
     """
 
     iterations: np.ndarray
     learning_rate: np.ndarray | None
     slots: dict
     loss_scale: ScaleState | None
+    subs: list = dataclasses.field(default_factory=list)
 
 
 def unwrapped(optimizer):
@@ -115,6 +119,9 @@ def slot_variables(optimizer):
     keeps them."""
     parts = unwrapped(optimizer)
     inner = parts.inner
+    if multi_optimizers.is_multi_optimizer(inner):
+        # Its slots are its sub-optimizers' (`OptimizerState.subs`).
+        return {}
     skip = {id(inner.iterations)}
     if isinstance(inner._learning_rate, keras.Variable):
         skip.add(id(inner._learning_rate))
@@ -145,6 +152,9 @@ def read_state(optimizer):
             for name, variable in slot_variables(optimizer).items()
         },
         loss_scale=scale,
+        subs=[
+            read_state(sub) for sub in multi_optimizers.sub_optimizers(inner)
+        ],
     )
 
 
@@ -163,10 +173,29 @@ def write_state(optimizer, state, rename=None):
     Raises:
         ValueError: if the slots differ in names or shapes.
     """
+    check_state(optimizer, state, rename)
+    _write_state(optimizer, state, rename)
+
+
+def check_state(optimizer, state, rename=None):
+    """Raises a ValueError where `state` (as `write_state` takes it)
+    does not fit the built `optimizer`: slots' names or shapes, or the
+    number of a MultiOptimizer's sub-optimizers."""
+    _check_slots(slot_variables(optimizer), _renamed(state.slots, rename))
+    subs = multi_optimizers.sub_optimizers(unwrapped(optimizer).inner)
+    if len(subs) != len(state.subs):
+        raise ValueError(
+            "The optimizers hold different numbers of sub-optimizers: "
+            f"{len(state.subs)} saved, {len(subs)} in the new one"
+        )
+    for sub, sub_state in zip(subs, state.subs, strict=True):
+        check_state(sub, sub_state, rename)
+
+
+def _write_state(optimizer, state, rename):
     parts = unwrapped(optimizer)
     targets = slot_variables(optimizer)
     values = _renamed(state.slots, rename)
-    _check_slots(targets, values)
     for name, variable in targets.items():
         if isinstance(variable, QuantizedSlot):
             variable.store(values[name], nearest=True)
@@ -185,6 +214,9 @@ def write_state(optimizer, state, rename=None):
         wrapper.step_counter.assign(
             ops.cast(state.loss_scale.counter, wrapper.step_counter.dtype)
         )
+    subs = multi_optimizers.sub_optimizers(inner)
+    for sub, sub_state in zip(subs, state.subs, strict=True):
+        _write_state(sub, sub_state, rename)
 
 
 def _check_slots(targets, values):
@@ -280,8 +312,15 @@ def carried_weight(source, source_optimizer, target, target_optimizer):
 def _compensation(variable, optimizer):
     if optimizer is None:
         return None
-    low = unwrapped(optimizer).low_precision
-    return None if low is None else low.compensation_of(variable)
+    parts = unwrapped(optimizer)
+    lows = [parts.low_precision]
+    for sub in multi_optimizers.sub_optimizers(parts.inner):
+        lows.append(unwrapped(sub).low_precision)
+    for low in lows:
+        found = None if low is None else low.compensation_of(variable)
+        if found is not None:
+            return found
+    return None
 
 
 def carry(source, target):
@@ -312,7 +351,7 @@ def carry(source, target):
     if state is not None:
         # Checked here, written below: nothing half-done.
         rename = slot_renamer(pairs)
-        _check_slots(slot_variables(theirs), _renamed(state.slots, rename))
+        check_state(theirs, state, rename)
     for write in writes:
         if write is not None:
             write()

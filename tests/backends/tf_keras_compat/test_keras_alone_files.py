@@ -80,6 +80,24 @@ def source_slots(model):
     return slots, optimizer
 
 
+def multi_optimizer_model():
+    """A `kahan_bfloat16_8bit` model whose head trains on a Keras Adam of
+    its own (Keras' `MultiOptimizer`; the compile hook wraps each
+    sub-optimizer), or None before Keras 3.15."""
+    if not hasattr(keras.optimizers, "MultiOptimizer"):
+        return None
+    keras.utils.clear_session()
+    return package_model(
+        "kahan_bfloat16_8bit",
+        keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(
+                keras.optimizers.Adam(0.01),
+                {".*head/.*": keras.optimizers.Adam(0.02)},
+            )
+        ),
+    )
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The package's models, their files for Keras alone, what Keras alone
@@ -121,6 +139,10 @@ def exported(tmp_path_factory):
     )
     kdp.save_for_keras(fixed, work_dir / "exported_fixed_scale.keras")
     models["fixed_scale"] = (fixed, to_numpy(fixed.predict(x, verbose=0)))
+    multi = multi_optimizer_model()
+    if multi is not None:
+        kdp.save_for_keras(multi, work_dir / "exported_multi.keras")
+        models["multi"] = (multi, to_numpy(multi.predict(x, verbose=0)))
     result = run_json_worker(WORKER, work_dir)
     assert result["package_imported"] is False
     assert sorted(result["read"]) == sorted(models)
@@ -184,6 +206,59 @@ def test_keras_alone_gets_the_dequantized_state_and_trains_on(exported, policy):
         assert iterations < trained <= iterations + 4
     else:
         assert trained == iterations + 4
+
+
+def test_a_multi_optimizer_becomes_keras_own_with_each_state(exported):
+    work_dir, models = exported
+    if "multi" not in models:
+        pytest.skip("keras.optimizers.MultiOptimizer arrived in Keras 3.15")
+    model, predictions = models["multi"]
+    read = np.load(work_dir / "read_multi.npz")
+    assert str(read["optimizer"]) == "MultiOptimizer"
+    np.testing.assert_array_equal(read["predictions"], predictions)
+    # Each sub-optimizer's slots, dequantized, under Keras' Adam names.
+    slots = {}
+    subs = model.optimizer.optimizers
+    # The compile hook wrapped both under the model's policy.
+    assert len(subs) == 2
+    assert all(isinstance(sub, kdp.LowPrecisionOptimizer) for sub in subs)
+    for sub in subs:
+        coded = {
+            slot.name: to_numpy(slot.value) for slot in sub.quantized_slots
+        }
+        for variable in sub.inner_optimizer.variables:
+            if variable.name not in ("iteration", "learning_rate"):
+                slots[variable.name] = to_numpy(
+                    keras.ops.cast(variable, "float32")
+                )
+        slots.update(coded)
+    found = {
+        key[len("slot:") :]: read[key]
+        for key in read.files
+        if key.startswith("slot:")
+        and not key.endswith(("iteration", "learning_rate"))
+    }
+    assert len(found) == len(slots)
+    for path, value in found.items():
+        (ours,) = [n for n in slots if n.endswith("_" + path.split("/")[-1])]
+        expected = slots[ours].astype(_numpy_dtype(str(read[f"dtype:{path}"])))
+        np.testing.assert_array_equal(value, expected.astype("float32"))
+    iterations = int(to_numpy(model.optimizer.iterations))
+    assert int(read["iterations"]) == iterations > 0
+    assert int(read["trained_iterations"]) == iterations + 4
+    assert np.isfinite(float(read["loss"]))
+
+
+def test_a_multi_optimizer_with_a_callable_is_refused(tmp_path):
+    if not hasattr(keras.optimizers, "MultiOptimizer"):
+        pytest.skip("keras.optimizers.MultiOptimizer arrived in Keras 3.15")
+    plain = keras.optimizers.Adam(0.01)
+    model = package_model(
+        "kahan_bfloat16", keras.optimizers.MultiOptimizer(lambda v: plain)
+    )
+    with pytest.raises(ValueError, match="OptimizerMap"):
+        kdp.save_for_keras(model, tmp_path / "model.keras")
+    assert not (tmp_path / "model.keras").exists()
 
 
 def test_a_fixed_loss_scale_becomes_the_optimizers_loss_scale_factor(
