@@ -261,9 +261,18 @@ def fit_dense_stack(
     return [as_float32(w) for w in model.trainable_weights], model.optimizer
 
 
+# One policy in the default runs (each takes 15-25 s on TensorFlow, for
+# CI time); `tox -e full-tensorflow` runs every one.
+IN_FULL_RUNS = pytest.mark.slow
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 @pytest.mark.parametrize(
-    "policy", ["kahan_bfloat16", "stochastic_bfloat16_8bit"]
+    "policy",
+    [
+        pytest.param("kahan_bfloat16", marks=IN_FULL_RUNS),
+        "stochastic_bfloat16_8bit",
+    ],
 )
 def test_tensorflow_groups_bound_the_step_inside_fit(policy, monkeypatch):
     # `fit` traces its step into a tf.function (no XLA on a CPU): the
@@ -296,7 +305,12 @@ def test_tensorflow_groups_inside_a_jit_compiled_fit(monkeypatch):
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 @pytest.mark.parametrize(
-    "policy", ["kahan_bfloat16", "stochastic_bfloat16_8bit", "mixed_bfloat16"]
+    "policy",
+    [
+        pytest.param("kahan_bfloat16", marks=IN_FULL_RUNS),
+        "stochastic_bfloat16_8bit",
+        pytest.param("mixed_bfloat16", marks=IN_FULL_RUNS),
+    ],
 )
 def test_tensorflow_groups_of_equal_shapes_share_a_computation(
     policy, monkeypatch
