@@ -63,7 +63,8 @@ def export_for_serving(
     copy = keras_alone.keras_copy(model, policy, with_optimizer=False)
     if model.built and "input_signature" not in kwargs:
         _call_once(copy)
-    copy.export(path, format=format, **kwargs)
+    # A string: Keras' OpenVINO export calls `path.endswith`.
+    copy.export(os.fspath(path), format=format, **kwargs)
 
 
 def _call_once(copy: keras.Model) -> None:
