@@ -56,3 +56,22 @@ def float32_reference(model, path):
     reference = keras.saving.load_model(path)
     assert reference.layers[0].dtype_policy.compute_dtype == "float32"
     return reference
+
+
+def assert_serves_the_float32_model(outputs, model, tmp_path):
+    """`outputs`, served of `X` with `policy="float32"`, are float32 and
+    within 1e-5 of the float32 model's."""
+    assert outputs.dtype == np.float32
+    reference = float32_reference(model, tmp_path / "float32.keras")
+    np.testing.assert_allclose(
+        outputs, predicted(reference), rtol=1e-5, atol=1e-5
+    )
+
+
+def assert_serves_float16(outputs, model):
+    """`outputs`, served of `X` from a float16 model, are float16 and
+    within float16's rounding of `model.predict`."""
+    assert outputs.dtype == np.float16
+    np.testing.assert_allclose(
+        outputs.astype("float32"), predicted(model), rtol=5e-3, atol=5e-3
+    )

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 from serving_models import CONFIGURATIONS
 from serving_models import X
-from serving_models import float32_reference
+from serving_models import assert_serves_float16
+from serving_models import assert_serves_the_float32_model
 from serving_models import predicted
 from serving_models import trained
 from testing import BACKEND
@@ -77,21 +78,13 @@ def test_served_in_float32_computes_the_float32_model(configuration, tmp_path):
     require_openvino()
     model = trained(configuration)
     outputs = served(exported(model, tmp_path, policy="float32"))
-    assert outputs.dtype == np.float32
-    reference = float32_reference(model, tmp_path / "float32.keras")
-    np.testing.assert_allclose(
-        outputs, predicted(reference), rtol=1e-5, atol=1e-5
-    )
+    assert_serves_the_float32_model(outputs, model, tmp_path)
 
 
 def test_float16_model_served_in_float16(tmp_path):
     require_openvino()
     model = trained("kahan_float16")
-    outputs = served(exported(model, tmp_path, policy=None))
-    assert outputs.dtype == np.float16
-    np.testing.assert_allclose(
-        outputs.astype("float32"), predicted(model), rtol=5e-3, atol=5e-3
-    )
+    assert_serves_float16(served(exported(model, tmp_path, policy=None)), model)
 
 
 def test_bfloat16_model_served_in_bfloat16(tmp_path):
