@@ -22,8 +22,23 @@ the usual step; with stochastic rounding the bits are drawn a variable at
 a time instead of a group at a time, so each rounding lands on the same
 two neighbours with the same probabilities but not on the same one.
 
-JAX and TensorFlow run the step as one compiled program whose buffers the
-compiler frees; there the argument changes nothing (a warning says so).
+On JAX the step `fit` compiles (`jax.jit` of the train step, the state
+donated) is one XLA computation, and XLA's schedule already runs each
+variable's update as soon as its gradient exists and frees the gradient
+there, unless something needs every gradient first (`global_clipnorm`,
+a loss scale's finiteness check): the argument is accepted and the step
+is the usual one (XLA's buffer assignment shows it; see
+`tests/backends/low_precision/test_step_buffers.py`). A JAX loop that
+computes the gradients outside `jax.jit` holds them all, as it would
+without the package.
+
+On TensorFlow, Keras' train step takes every gradient from one
+`tape.gradient` call, and the package's update runs after it (group by
+group, bounding the update's own temporaries); updating inside the
+backward pass would take a gradient function on every read of every
+variable, and a variable read twice (tied embeddings) would be updated
+from part of its gradient. There the argument warns and the step is the
+usual one.
 """
 
 import typing
@@ -79,15 +94,18 @@ class GradientRelease:
         (PyTorch); warns elsewhere that the step is unchanged."""
         hooks = backend_dispatch.module_for("gradient_release")
         if hooks is None:
-            warnings.warn(
-                "release_gradients=True updates each variable inside the "
-                "backward pass on PyTorch only. On "
-                f"{backend_dispatch.name()} the training step is one "
-                "compiled program whose buffers the compiler frees; the "
-                "step is the usual one.",
-                UserWarning,
-                stacklevel=4,
-            )
+            if not backend_dispatch.is_jax():
+                # JAX: XLA's schedule of the compiled step already frees
+                # each gradient once its update has read it.
+                warnings.warn(
+                    "release_gradients=True does not release gradients on "
+                    f"{backend_dispatch.name()}: Keras' train step takes "
+                    "every gradient from one `tape.gradient` call before "
+                    "any update (it does on PyTorch, and XLA's compiled "
+                    "step does on JAX). The step is the usual one.",
+                    UserWarning,
+                    stacklevel=4,
+                )
             return
         for variable in variables:
             if variable.trainable and id(variable) not in self._hooked:

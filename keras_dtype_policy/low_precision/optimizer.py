@@ -64,7 +64,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         seed: An int seeding the random rounding; None draws one.
         release_gradients: True to update each variable inside the
             backward pass as soon as its gradient is complete, and free
-            the gradient there (PyTorch; see `gradient_release`).
+            the gradient there (PyTorch; on JAX XLA's compiled step does
+            so already; TensorFlow warns; see `gradient_release`).
         name: The optimizer's name.
 
     Example:
