@@ -258,6 +258,14 @@ KERAS_INTERNALS = (
         "A stand-in's own scalar shape, while Keras makes its storage.",
         on_instances=True,
     ),
+    _internal(
+        "tensorflow.python.autograph.impl.api",
+        "is_autograph_artifact",
+        "unconverted",
+        "AutoGraph calls a function with `autograph_info__` (what "
+        "do_not_convert sets) unconverted: the optimizers carry it.",
+        backend="tensorflow",
+    ),
     *(
         _internal(
             "keras.src.backend.tensorflow.core.Variable",

@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy import unconverted
 from keras_dtype_policy.loss_scaling import gradient_check
 from keras_dtype_policy.loss_scaling import inner_optimizer_config
 from keras_dtype_policy.loss_scaling import lso_arguments
@@ -29,6 +30,7 @@ from keras_dtype_policy.types import Tensor
 
 
 @register
+@unconverted.leave_unconverted
 class LossScaleOptimizer(
     CustomLoopApi,
     SavedLayouts,

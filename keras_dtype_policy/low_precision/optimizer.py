@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy import unconverted
 from keras_dtype_policy.low_precision import arguments
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import float32_views
@@ -39,6 +40,7 @@ class PreparedStep(typing.NamedTuple):
 
 
 @register
+@unconverted.leave_unconverted
 class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     """An optimizer whose updates survive bfloat16 and float16 weights.
 
