@@ -60,7 +60,8 @@ class LossScaleOptimizer(
             `2**24`.
         hysteresis: Int. Non-finite steps in a row that shrink the scale.
             Defaults to `1`.
-        name: String. The optimizer's name.
+        name: String. The optimizer's name. Defaults to
+            `"loss_scale_optimizer"` (Keras' numbers each new one).
 
     Example:
 
@@ -100,7 +101,9 @@ class LossScaleOptimizer(
             inner_optimizer,
             initial_scale=settings.initial_scale,
             dynamic_growth_steps=settings.dynamic_growth_steps,
-            name=name,
+            # Not numbered per process: Orbax restores the state by its
+            # paths, which start with the name.
+            name=name or "loss_scale_optimizer",
             **kwargs,
         )
         state_arrival.teach_tf_keras_layout(inner_optimizer)

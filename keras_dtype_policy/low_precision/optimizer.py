@@ -68,7 +68,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             backward pass as soon as its gradient is complete, and free
             the gradient there (PyTorch; on JAX XLA's compiled step does
             so already; TensorFlow warns; see `gradient_release`).
-        name: The optimizer's name.
+        name: The optimizer's name. Defaults to
+            `"low_precision_optimizer"`.
 
     Example:
 
@@ -104,7 +105,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         release_gradients = gradient_release.check_release_gradients(
             release_gradients, inner_optimizer
         )
-        super().__init__(learning_rate=0.0, name=name)
+        # A name of its own by default, as Keras' Adam has "adam", not
+        # numbered per process: Orbax restores the state by its paths,
+        # which start with the name, and a compile hook wraps anew on load.
+        super().__init__(
+            learning_rate=0.0, name=name or "low_precision_optimizer"
+        )
         self.inner_optimizer = inner_optimizer
         self._update_rule = update
         self._state_dtype = state_dtype

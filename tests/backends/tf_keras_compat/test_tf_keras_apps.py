@@ -57,11 +57,16 @@ def is_slow(name, file_name):
     return name.startswith(LARGE) or file_name != f"{name}{CORE[name]}"
 
 
+# The others rotate across the backends in the default runs (CI time: on
+# JAX, which runs a loaded model's first predictions op by op, they took
+# 75 s of one worker); `tox -e full-<backend>` runs each on every backend.
 CASES = [
     pytest.param(
         name,
         file_name,
-        marks=(pytest.mark.slow,) if is_slow(name, file_name) else (),
+        marks=pytest.mark.slow
+        if is_slow(name, file_name)
+        else pytest.mark.rotated,
     )
     for name, record in sorted(MANIFEST.items())
     for file_name in sorted(record["files"])
