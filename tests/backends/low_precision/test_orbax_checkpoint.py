@@ -115,7 +115,12 @@ def test_resumed_in_a_fresh_process_equals_the_straight_run(
         str(checkpoint), save_on_background=False
     )
     interrupted.fit(
-        X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+        X,
+        Y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
         callbacks=[callback],
     )
     data, output = tmp_path / "data.npz", tmp_path / "resumed.npz"
