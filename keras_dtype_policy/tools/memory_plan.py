@@ -19,6 +19,7 @@ import keras
 
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.policies import hardware
+from keras_dtype_policy.policies import layer_walk
 from keras_dtype_policy.policies.policy import DTypePolicy
 from keras_dtype_policy.tools import memory_plan_calibration as calibration
 from keras_dtype_policy.tools import state_memory
@@ -154,6 +155,8 @@ def _row(model, name, batch_size, budget, backend):
         backend, name
     )
     variables = sum(1 for v in model.trainable_weights if _is_float(v.dtype))
+    tables = _embedding_tables(model)
+    per_element, per_table = calibration.embedding_costs(backend, name)
     notes = [f"activations: {note}"] if note else []
     if not measured:
         notes.append(
@@ -171,7 +174,10 @@ def _row(model, name, batch_size, budget, backend):
         "optimizer_state": round(trainable * (state - weight_bytes)),
         "activations": activations,
         "working_set": round(
-            trainable * per_parameter + variables * per_variable
+            trainable * per_parameter
+            + variables * per_variable
+            + sum(tables) * per_element
+            + len(tables) * per_table
         ),
         "baseline": baseline,
     }
@@ -186,6 +192,18 @@ def _row(model, name, batch_size, budget, backend):
         bytes_per_parameter=cost,
         note="; ".join(notes),
     )
+
+
+def _embedding_tables(model):
+    """The element counts of the trainable tables of `model`'s Embedding
+    layers (keras-hub's embeddings subclass Keras')."""
+    return [
+        _size(weight.shape)
+        for layer in layer_walk.all_layers(model)
+        if isinstance(layer, keras.layers.Embedding)
+        for weight in layer_walk.own_weights(layer)
+        if weight.trainable and _is_float(weight.dtype)
+    ]
 
 
 def configuration_names(configurations):

@@ -18,6 +18,9 @@ cost a trainable variable. Here, for each backend and configuration:
   each on JAX, under 1 MiB on TensorFlow: its per-variable steps).
 - baseline, MiB: what the process holds with no model: the interpreter,
   Keras, the backend and its compiled code.
+- embedding tables (JAX and TensorFlow): bytes an element of each
+  Embedding layer's table and MiB a table, fitted on Embedding models
+  (below); the Dense stacks have no such table.
 
 Measured on a 2-core Intel Xeon @ 2.50GHz (one core used, one thread),
 keras 3.15.1, jax 0.10.2, torch 2.13.0+cpu, tensorflow-cpu 2.21.0, on the
@@ -74,6 +77,50 @@ CPU_STEP_COSTS = {
         "stochastic_bfloat16_4bit": (1.68, 0.0, 568),
     },
 }
+
+
+# An embedding table's step on JAX and TensorFlow makes temporaries of the
+# whole table (its dense gradient, scattered from the looked-up rows, and
+# the update over it) that no Dense stack has. Fitted on an Embedding of
+# 50,000 rows 256 and 768 wide (12.8M and 38.4M elements) under four Dense
+# layers, batch 64 of 64 tokens, as the peak less the prediction without
+# it: bytes an element of the table and MiB a table. PyTorch's embedding
+# step needs none (its plan was within 9% without it).
+# backend: configuration: (bytes a table element, MiB a table).
+CPU_EMBEDDING_COSTS = {
+    "jax": {
+        "float32": (6.35, 30),
+        "mixed_bfloat16": (3.54, 50),
+        "kahan_bfloat16": (5.02, 15),
+        "stochastic_bfloat16": (4.24, 19),
+        "stochastic_bfloat16_8bit": (10.81, 31),
+        "kahan_bfloat16_8bit": (15.07, 19),
+        "mixed_bfloat16_8bit": (11.19, 15),
+        "stochastic_bfloat16_4bit": (9.95, 21),
+    },
+    # kahan_bfloat16_8bit's steady steps at 256 wide peaked 172 MiB above
+    # its first (1296 against 1124 MiB, twice): hence its MiB a table.
+    "tensorflow": {
+        "float32": (9.79, 7),
+        "mixed_bfloat16": (9.46, 38),
+        "kahan_bfloat16": (8.53, 38),
+        "stochastic_bfloat16": (4.43, 51),
+        "stochastic_bfloat16_8bit": (17.14, 4),
+        "kahan_bfloat16_8bit": (11.07, 274),
+        "mixed_bfloat16_8bit": (16.47, 0),
+        "stochastic_bfloat16_4bit": (13.46, 17),
+    },
+}
+
+
+def embedding_costs(backend, configuration):
+    """Returns `(bytes a table element, bytes a table)` of the embedding
+    tables' step on `backend` (zeros where none was measured beyond the
+    Dense stacks' fit)."""
+    measured = backend in CPU_STEP_COSTS
+    costs = CPU_EMBEDDING_COSTS.get(backend if measured else FALLBACK_BACKEND)
+    per_element, per_table = (costs or {}).get(configuration, (0.0, 0.0))
+    return per_element, per_table * MIB
 
 
 def step_costs(backend, configuration):

@@ -20,7 +20,8 @@ class PlanRow:
         activations: What the step keeps for the backward pass.
         working_set: The step's casts, copies, compiled steps and
             temporaries (measured: a cost a parameter, which may be
-            negative, and a cost a trainable variable).
+            negative, a cost a trainable variable, and on JAX and
+            TensorFlow a cost an element of an embedding table).
         baseline: The process before the model (measured).
         peak: The sum of the above.
         fits: Whether `peak` is within the budget; None without one.

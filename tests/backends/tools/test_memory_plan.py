@@ -93,6 +93,44 @@ def test_working_set_and_baseline_are_the_measured_figures(model):
         assert row.baseline == baseline * 2**20
 
 
+def test_an_embedding_table_adds_its_measured_cost_on_jax_and_tensorflow():
+    # Expectations per backend: on JAX and TensorFlow each table adds
+    # its measured bytes an element and MiB a table to the working set
+    # (the step's temporaries of the whole table); on PyTorch nothing.
+    backend = keras.backend.backend()
+    table = 1000 * 16
+
+    def embedding_model(trainable):
+        inputs = keras.Input((4,), dtype="int32")
+        embedding = keras.layers.Embedding(1000, 16, trainable=trainable)
+        outputs = keras.layers.Dense(16)(embedding(inputs))
+        return keras.Model(inputs, outputs)
+
+    with_table, frozen = embedding_model(True), embedding_model(False)
+    for row in kdp.plan(with_table, batch_size=8):
+        per_element, per_table = calibration.CPU_EMBEDDING_COSTS.get(
+            backend, {}
+        ).get(row.configuration, (0.0, 0.0))
+        if backend != "torch":
+            assert per_element > 0, row.configuration
+        without = kdp.plan(
+            frozen, batch_size=8, configurations=[row.configuration]
+        ).rows[0]
+        per_parameter = calibration.CPU_STEP_COSTS[backend][row.configuration][
+            0
+        ]
+        # The frozen table is no trainable variable: neither its cost a
+        # parameter and a variable nor the table's own.
+        added = row.working_set - without.working_set
+        per_variable = calibration.CPU_STEP_COSTS[backend][row.configuration][1]
+        assert added == pytest.approx(
+            table * (per_parameter + per_element)
+            + per_variable * 2**20
+            + per_table * 2**20,
+            abs=2,
+        ), row.configuration
+
+
 def test_activations_grow_with_the_batch_in_the_compute_dtype(model):
     def activations(name, batch):
         result = kdp.plan(model, batch_size=batch, configurations=[name])
