@@ -90,8 +90,12 @@ class GradientRelease:
         return bool(self._released)
 
     def install(self, variables):
-        """Hooks each trainable variable's gradient, where the backend can
-        (PyTorch); warns elsewhere that the step is unchanged."""
+        """Hooks each trainable variable's gradient on PyTorch.
+
+        JAX needs no hook (XLA's compiled step frees each gradient once
+        its update has read it); TensorFlow warns that its step is the
+        usual one.
+        """
         hooks = backend_dispatch.module_for("gradient_release")
         if hooks is None:
             if not backend_dispatch.is_jax():
