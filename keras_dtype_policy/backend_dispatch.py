@@ -35,6 +35,7 @@ _MODULES = {
         "keras_dtype_policy.low_precision.torch_release"
     ),
     (TORCH, "kernels"): "keras_dtype_policy.low_precision.torch_kernels",
+    (JAX, "gathering"): "keras_dtype_policy.low_precision.jax_gathering",
 }
 
 

@@ -238,7 +238,9 @@ INSTANCE_PATCHES = (
         state_sharding.SHARDING_METHODS,
         state_sharding.unshard_all,
         "Lay the optimizer state made later out split along the "
-        "data-parallel axis (ZeRO stage 1), never whole on any device.",
+        "data-parallel axis (ZeRO stage 1), never whole on any device, "
+        "and save it whole: gathered from every process where it is split "
+        "across processes, which Keras' own save_own_variables cannot read.",
     ),
 )
 

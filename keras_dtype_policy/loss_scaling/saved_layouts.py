@@ -13,6 +13,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from keras_dtype_policy.loss_scaling import optimizer_state
 from keras_dtype_policy.low_precision import optimizer_values
+from keras_dtype_policy.low_precision import state_sharding
 
 # The store of each saved record, below the optimizer's own store, and the
 # variable it holds. These names are part of the file format.
@@ -57,7 +58,7 @@ class SavedLayouts:
         """Saves the state in the layout of Keras' own `LossScaleOptimizer`
         (the rest goes to the stores of `RECORD_STORES`)."""
         for i, variable in enumerate(self._layout()):
-            store[str(i)] = variable.numpy()
+            store[str(i)] = state_sharding.saved_value(variable)
 
     def load_own_variables(self, store):
         """Loads this optimizer's state, from any layout it was saved in

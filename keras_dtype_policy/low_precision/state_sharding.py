@@ -29,8 +29,8 @@ import keras
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import multi_optimizers
 
-# The method `shard_optimizer_state` sets on optimizer instances.
-SHARDING_METHODS = ("add_variable",)
+# The methods `shard_optimizer_state` sets on optimizer instances.
+SHARDING_METHODS = ("add_variable", "save_own_variables")
 _sharding: weakref.WeakSet = weakref.WeakSet()
 
 _ELSEWHERE = {
@@ -159,7 +159,8 @@ def unshard_all():
     """Takes `add_variable` off every optimizer that holds it.
 
     Called by `keras_dtype_policy.uninstall()`: state made afterwards gets
-    Keras' layout; state already made keeps its own.
+    Keras' layout; state already made keeps its own (and is saved as
+    Keras saves it, which a value split across processes fails).
     """
     for optimizer in list(_sharding):
         for name in SHARDING_METHODS:
@@ -175,6 +176,9 @@ def _shard(optimizer, distribution):
             continue
         if member not in _sharding:
             member.add_variable = types.MethodType(_add_variable, member)
+            member.save_own_variables = types.MethodType(
+                _save_own_variables, member
+            )
             _sharding.add(member)
         if member.built:
             for variable in _state_of(member):
@@ -208,6 +212,23 @@ def _add_variable(
         layout=layout,
         name=name,
     )
+
+
+def _save_own_variables(self, store):
+    """Keras' `Optimizer.save_own_variables`, each value whole: state
+    split across processes is gathered first (see `saved_value`)."""
+    for i, variable in enumerate(self.variables):
+        store[str(i)] = saved_value(variable)
+
+
+def saved_value(variable):
+    """Returns a variable's whole value as a NumPy array, as
+    `variable.numpy()` does, gathered from every process where it is split
+    across processes (JAX; every process saves together)."""
+    gathering = backend_dispatch.module_for("gathering")
+    if gathering is None:
+        return variable.numpy()
+    return gathering.host_value(variable.value)
 
 
 def _chain(optimizer):

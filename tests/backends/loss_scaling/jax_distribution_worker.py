@@ -16,6 +16,12 @@ own file), loads process 0's file under the same distribution and trains
 one more step on both the loaded model and the original. Results go to
 OUT_DIR/ENGINE_POLICY_MODE_pID.npz (arrays) and .json (scalars and
 per-step records), and OUT_DIR/ENGINE_pID.json (the setup) comes last.
+Last, the `multi` engine trains `SHARDED_POLICY` (a `LossScaleOptimizer` around
+8-bit state and Kahan-compensated float16 weights) with that state split
+across the devices by `shard_optimizer_state`, saves a `.keras` and a
+`.weights.h5` file from every process, and writes the whole state,
+gathered, to OUT_DIR/ENGINE_sharded_pID.npz and .json.
+
 Nothing is asserted here: the tests read the files.
 """
 
@@ -56,14 +62,19 @@ GLOBAL_BATCH, STEPS, FEATURES = 8, 8, 5
 # replica 2's (process 1's first device). No other replica sees it.
 NAN_STEP, NAN_ROW = 3, 5
 INITIAL_SCALE, GROWTH_STEPS = 2.0**10, 3
+# ZeRO-1 with the low-precision wing and loss scaling together: float16
+# weights, 8-bit moments (the 64 x 128 and 128 x 64 kernels are above the
+# 4096-element threshold) and a LossScaleOptimizer, all from the policy.
+SHARDED_POLICY = "kahan_float16_8bit"
+SHARDED_FEATURES = 64
 
 warnings.filterwarnings("ignore", category=kdp.SlowFloat16Warning)
 
 
-def data():
+def data(features=FEATURES):
     """Returns fixed inputs and targets, one NaN input at a known place."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * GLOBAL_BATCH, FEATURES)).astype("float32")
+    x = rng.normal(size=(STEPS * GLOBAL_BATCH, features)).astype("float32")
     y = (x[:, :1] * 2 - x[:, 2:3] + 0.5).astype("float32")
     x[NAN_STEP * GLOBAL_BATCH + NAN_ROW, 1] = np.nan
     return x, y
@@ -248,6 +259,91 @@ def run(engine, policy, mode, out_dir, process_id, num_processes, dist):
         json.dump(result, f)
 
 
+def gathered(variable):
+    """Returns a variable's whole value, gathered from every process."""
+    value = getattr(variable, "value", variable)
+    if jax.process_count() == 1:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def run_sharded_state(engine, out_dir, process_id, num_processes):
+    """Trains `SHARDED_POLICY` with its state split across the devices.
+
+    The compile hook wraps Adam in a `LossScaleOptimizer` around a
+    `LowPrecisionOptimizer` (Kahan-compensated float16 weights, 8-bit
+    moments); `shard_optimizer_state` splits the compensation buffers,
+    codes and scales along the data axis; the NaN batch skips one step.
+    Every process saves a `.keras` and a `.weights.h5` file; the whole
+    (gathered) state, each variable's path and the shapes of this
+    process's shards go to OUT_DIR/ENGINE_sharded_pID.npz and .json.
+    """
+    keras.utils.clear_session()
+    dist = keras.distribution.DataParallel(auto_shard_dataset=False)
+    keras.distribution.set_distribution(dist)
+    x, y = data(SHARDED_FEATURES)
+    x = process_rows(x, process_id, num_processes)
+    y = process_rows(y, process_id, num_processes)
+    per_process = GLOBAL_BATCH // num_processes
+    keras.utils.set_random_seed(0)
+    kdp.set_dtype_policy(SHARDED_POLICY)
+    model = keras.Sequential(
+        [
+            keras.Input((SHARDED_FEATURES,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-3, epsilon=1e-4),
+        "mse",
+    )
+    kdp.shard_optimizer_state(model.optimizer)
+    recorder = StateRecorder()
+    model.fit(
+        x,
+        y,
+        batch_size=per_process,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    stem = os.path.join(out_dir, f"{engine}_sharded_p{process_id}")
+    model.save(f"{stem}.keras")
+    model.save_weights(f"{stem}.weights.h5")
+    if num_processes > 1:
+        multihost_utils.sync_global_devices("saved sharded state")
+    optimizer = model.optimizer
+    arrays, paths, shard_shapes = {}, {}, {}
+    for kind, values in (
+        ("weight", model.weights),
+        ("optimizer", optimizer.variables),
+    ):
+        for i, variable in enumerate(values):
+            arrays[f"{kind}_{i}"] = gathered(variable)
+            paths[f"{kind}_{i}"] = variable.path
+            value = getattr(variable, "value", variable)
+            shard_shapes[f"{kind}_{i}"] = [
+                list(shard.data.shape) for shard in value.addressable_shards
+            ]
+    result = {
+        "optimizer_type": type(optimizer).__name__,
+        "inner_type": type(optimizer.inner_optimizer).__name__,
+        "loss_scale": optimizer.loss_scale,
+        "skipped_steps": optimizer.skipped_steps,
+        "iterations": int(np.asarray(optimizer.iterations.value)),
+        "steps": recorder.steps,
+        "paths": paths,
+        "shard_shapes": shard_shapes,
+    }
+    np.savez(f"{stem}.npz", **arrays)
+    with open(f"{stem}.json", "w") as f:
+        json.dump(result, f)
+    keras.distribution.set_distribution(None)
+    kdp.set_dtype_policy("float32")
+
+
 def main(argv):
     engine, out_dir = argv[1], argv[2]
     if engine == "local":
@@ -276,6 +372,8 @@ def main(argv):
             keras.distribution.set_distribution(dist)
             run(engine, policy, mode, out_dir, process_id, num_processes, dist)
             keras.distribution.set_distribution(None)
+    if engine == "multi":
+        run_sharded_state(engine, out_dir, process_id, num_processes)
 
     setup = {
         "devices": [str(d) for d in jax.devices()],

@@ -361,3 +361,79 @@ def test_the_readme_example_trains_under_data_parallel(tmp_path, monkeypatch):
         "mixed_float16",
         "float32",
     ]
+
+
+def sharded_result(out, process_id):
+    """Returns the sharded-state run's record and its gathered state."""
+    stem = out / f"multi_sharded_p{process_id}"
+    with open(f"{stem}.json") as f:
+        record = json.load(f)
+    return record, dict(np.load(f"{stem}.npz"))
+
+
+def reloaded(path):
+    """Returns the model of a file saved by the sharded-state run, loaded
+    in this process (one device, no distribution): a `.keras` file as it
+    is, a `.weights.h5` file into a model compiled anew from it."""
+    if path.suffix == ".keras":
+        return keras.saving.load_model(path)
+    # The architecture and compile arguments of the `.keras` file beside it.
+    source = keras.saving.load_model(path.with_suffix("").with_suffix(".keras"))
+    model = keras.models.clone_model(source)
+    model.compile(keras.optimizers.Adam(1e-3, epsilon=1e-4), "mse")
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    return model
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".weights.h5"])
+def test_state_split_across_processes_reloads_whole_on_one(runs, suffix):
+    out = load(runs, "multi")
+    record, state = sharded_result(out, 0)
+    assert (record["optimizer_type"], record["inner_type"]) == (
+        "LossScaleOptimizer",
+        "LowPrecisionOptimizer",
+    )
+    # The NaN batch skipped one of the 8 steps on every device.
+    assert (record["skipped_steps"], record["iterations"]) == (1, 7)
+    paths, shards = record["paths"], record["shard_shapes"]
+    # The state was split: each of a process' two devices held a quarter
+    # of the first kernel's 8-bit codes and compensation (4 devices).
+    for ending, whole in (
+        ("dense_kernel_momentum_codes", (32, 256)),
+        ("dense_kernel_velocity_codes", (32, 256)),
+        ("dense_kernel_compensation", (64, 128)),
+    ):
+        (name,) = [k for k, p in paths.items() if p.endswith("_" + ending)]
+        assert state[name].shape == whole
+        assert shards[name] == [[whole[0] // 4, whole[1]]] * 2, ending
+    # Both processes gathered the same whole state, finite throughout.
+    _, other = sharded_result(out, 1)
+    assert other.keys() == state.keys()
+    for name, value in state.items():
+        np.testing.assert_array_equal(other[name], value, err_msg=name)
+        assert np.all(np.isfinite(value.astype("float32"))), name
+    for process_id in ENGINES["multi"]:
+        model = reloaded(out / f"multi_sharded_p{process_id}{suffix}")
+        optimizer = model.optimizer
+        assert type(optimizer).__name__ == "LossScaleOptimizer"
+        assert (optimizer.loss_scale, optimizer.skipped_steps) == (
+            record["loss_scale"],
+            1,
+        )
+        saved = [("weight", model.weights), ("optimizer", optimizer.variables)]
+        for kind, variables in saved:
+            assert len(variables) == len(keys(state, f"{kind}_"))
+            for i, variable in enumerate(variables):
+                np.testing.assert_array_equal(
+                    keras.ops.convert_to_numpy(variable),
+                    state[f"{kind}_{i}"],
+                    err_msg=f"{variable.path} from process {process_id}",
+                )
+        # It trains on from there.
+        x = np.ones((8, 64), "float32")
+        model.fit(x, np.ones((8, 1), "float32"), verbose=0)
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 8
+        first = keras.ops.convert_to_numpy(model.weights[0])
+        assert np.all(np.isfinite(first.astype("float32")))
+        assert not np.array_equal(first, state["weight_0"])

@@ -23,6 +23,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dtype_policy as kdp  # noqa: E402
+from keras_dtype_policy.low_precision.state_sharding import SHARDING_METHODS  # noqa: E402
 
 OPTIMIZERS = {
     "adam": (None, lambda: keras.optimizers.Adam(1e-2)),
@@ -209,10 +210,14 @@ def uninstalled():
     keras.utils.clear_session()
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     optimizer = kdp.shard_optimizer_state(keras.optimizers.Adam())
-    before = "add_variable" in vars(optimizer)
+
+    def holds():
+        return {name: name in vars(optimizer) for name in SHARDING_METHODS}
+
+    before = holds()
     kdp.uninstall()
     try:
-        after = "add_variable" in vars(optimizer)
+        after = holds()
         slot = optimizer.add_variable((16, 4))
     finally:
         kdp.install()
@@ -220,7 +225,7 @@ def uninstalled():
     return {
         "before": before,
         "after": after,
-        "after_install": "add_variable" in vars(optimizer),
+        "after_install": holds(),
         "slot_spec": [str(a) for a in slot.value.sharding.spec],
     }
 

@@ -142,10 +142,12 @@ def test_model_parallel_slots_split_along_both_axes(findings):
 
 
 @jax_only
-def test_uninstall_takes_the_method_off(findings):
+def test_uninstall_takes_the_methods_off(findings):
     found = findings["uninstall"]
-    assert found["before"] and not found["after"]
-    assert not found["after_install"]
+    methods = ["add_variable", "save_own_variables"]
+    assert found["before"] == dict.fromkeys(methods, True)
+    assert found["after"] == dict.fromkeys(methods, False)
+    assert found["after_install"] == dict.fromkeys(methods, False)
     assert found["slot_spec"] == ["None", "None"]
 
 
