@@ -16,11 +16,11 @@ own file), loads process 0's file under the same distribution and trains
 one more step on both the loaded model and the original. Results go to
 OUT_DIR/ENGINE_POLICY_MODE_pID.npz (arrays) and .json (scalars and
 per-step records), and OUT_DIR/ENGINE_pID.json (the setup) comes last.
-Last, the `multi` engine trains `SHARDED_POLICY` (a `LossScaleOptimizer` around
-8-bit state and Kahan-compensated float16 weights) with that state split
-across the devices by `shard_optimizer_state`, saves a `.keras` and a
-`.weights.h5` file from every process, and writes the whole state,
-gathered, to OUT_DIR/ENGINE_sharded_pID.npz and .json.
+Last, the `multi` engine trains `SHARDED_POLICY` (a `LossScaleOptimizer`
+around 8-bit state and Kahan-compensated float16 weights) with that state
+split across the devices by `shard_optimizer_state`, saves a `.keras` and
+a `.weights.h5` file from every process, and writes the whole state,
+gathered, to OUT_DIR/multi_sharded_pID.npz and .json.
 
 Nothing is asserted here: the tests read the files.
 """
