@@ -415,6 +415,25 @@ def run_json_worker(worker, *args, backend=BACKEND, timeout=300):
     return json.loads(line)
 
 
+def selected_params(request, *names):
+    """The values of the parameters `names` among the tests of the
+    requesting module that this run selected (sorted; a tuple of values
+    each for several names), so that a fixture making files for them all
+    makes only those (the default runs leave out the cases marked slow).
+
+    Args:
+        request: pytest's `request` fixture.
+        *names: The parameters' names.
+    """
+    found = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and all(n in params for n in names):
+            values = tuple(params[n] for n in names)
+            found.add(values[0] if len(names) == 1 else values)
+    return sorted(found)
+
+
 def made_once(tmp_path_factory, name, make):
     """Returns the folder that `make(folder)` filled, once per test run.
 

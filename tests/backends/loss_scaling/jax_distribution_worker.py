@@ -1,7 +1,9 @@
 """Loss scaling under `keras.distribution.DataParallel` on JAX, in a process.
 
-    python jax_distribution_worker.py local OUT_DIR
-    python jax_distribution_worker.py multi OUT_DIR PORT PROCESS_ID
+    python jax_distribution_worker.py local OUT_DIR [CASES]
+    python jax_distribution_worker.py multi OUT_DIR PORT PROCESS_ID [CASES]
+
+(CASES: the `policy-mode` cases to run, comma-separated; all by default.)
 
 `local` runs in one process with two forced host devices: for every policy
 (mixed_float16, mixed_bfloat16) and scale mode (dynamic, fixed) it trains
@@ -346,10 +348,17 @@ def run_sharded_state(engine, out_dir, process_id, num_processes):
 
 def main(argv):
     engine, out_dir = argv[1], argv[2]
+    # The `policy-mode` cases to run, comma-separated, after the engine's
+    # own arguments (all where none are named).
+    cases = None
     if engine == "local":
         process_id, num_processes = 0, 1
+        if len(argv) > 3:
+            cases = argv[3].split(",")
     elif engine == "multi":
         port, process_id = argv[3], int(argv[4])
+        if len(argv) > 5:
+            cases = argv[5].split(",")
         num_processes = NUM_PROCESSES
         jax.distributed.initialize(
             coordinator_address=f"localhost:{port}",
@@ -362,6 +371,8 @@ def main(argv):
 
     for policy in POLICIES:
         for mode in MODES:
+            if cases is not None and f"{policy}-{mode}" not in cases:
+                continue
             if engine == "local":
                 keras.utils.clear_session()
                 run("single", policy, mode, out_dir, 0, 1, None)

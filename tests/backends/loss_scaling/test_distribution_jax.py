@@ -20,7 +20,9 @@ import keras
 import numpy as np
 import pytest
 from testing import BACKEND
+from testing import made_once
 from testing import run_readme_example
+from testing import selected_params
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax",
@@ -55,9 +57,26 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Runs both engines at once; returns the output dir and any failures."""
-    out = tmp_path_factory.mktemp("jax_distribution")
+def runs(tmp_path_factory, request):
+    """Runs both engines at once, on the policy-mode cases this run
+    selected, once for all xdist workers; returns the output dir and any
+    failures."""
+    cases = ",".join(
+        f"{policy}-{mode}"
+        for policy, mode in selected_params(request, "policy", "mode")
+    )
+    out = made_once(
+        tmp_path_factory,
+        "jax_distribution_" + cases.replace(",", "_"),
+        lambda folder: run_engines(folder, cases),
+    )
+    with open(out / "failures.json") as f:
+        return out, json.load(f)
+
+
+def run_engines(out, cases):
+    """Runs both engines' processes to their end; writes each engine's
+    failures to OUT/failures.json."""
     env = dict(
         os.environ,
         TF_CPP_MIN_LOG_LEVEL="3",
@@ -68,8 +87,10 @@ def runs(tmp_path_factory):
     )
     port = str(free_port())
     commands = {
-        "local": [["local", str(out)]],
-        "multi": [["multi", str(out), port, str(i)] for i in ENGINES["multi"]],
+        "local": [["local", str(out), cases]],
+        "multi": [
+            ["multi", str(out), port, str(i), cases] for i in ENGINES["multi"]
+        ],
     }
     # stderr goes to files: a pipe nobody reads yet could fill and stall a
     # worker while the fixture waits for another one.
@@ -107,7 +128,8 @@ def runs(tmp_path_factory):
                     f"process {process_id} exited with {process.returncode}:"
                     f"\n{stderr[-3000:]}"
                 )
-    return out, failures
+    with open(out / "failures.json", "w") as f:
+        json.dump(failures, f)
 
 
 def load(runs, engine):
@@ -166,10 +188,20 @@ def keys(arrays, prefix):
     )
 
 
+# Each policy and each scale mode runs in the default runs (two of the four
+# pairs); the other two pairs in the full runs (`tox -e full-jax`).
+FULL_RUNS_ONLY = {("mixed_float16", "fixed"), ("mixed_bfloat16", "dynamic")}
 parametrize = pytest.mark.parametrize(
     "engine, policy, mode",
     [
-        (engine, policy, mode)
+        pytest.param(
+            engine,
+            policy,
+            mode,
+            marks=[pytest.mark.slow]
+            if (policy, mode) in FULL_RUNS_ONLY
+            else [],
+        )
         for engine in ENGINES
         for policy in POLICIES
         for mode in MODES

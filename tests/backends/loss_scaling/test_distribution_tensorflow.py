@@ -24,6 +24,7 @@ from testing import NAN
 from testing import made_once
 from testing import reference_trajectory
 from testing import run_readme_example
+from testing import selected_params
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "tensorflow",
@@ -32,8 +33,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = pathlib.Path(__file__).with_name("tf_distribution_worker.py")
+FULL_RUNS_ONLY = {("mixed_float16", "fixed"), ("mixed_bfloat16", "dynamic")}
+# Each policy and each scale mode runs in the default runs (two of the four
+# pairs, which the workers' minute of training each makes costly); the
+# other two pairs in the full runs (`tox -e full-tensorflow`).
 CASES = [
-    f"{policy}-{mode}"
+    pytest.param(
+        f"{policy}-{mode}",
+        marks=[pytest.mark.slow] if (policy, mode) in FULL_RUNS_ONLY else [],
+    )
     for policy in ("mixed_float16", "mixed_bfloat16")
     for mode in ("dynamic", "fixed")
 ]
@@ -60,14 +68,25 @@ def free_ports(count):
 
 
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
-    folder = made_once(tmp_path_factory, "tf_mirrored", run_mirrored)
+def mirrored(tmp_path_factory, request):
+    cases = selected_params(request, "case")
+    folder = made_once(
+        tmp_path_factory,
+        "tf_mirrored_" + "_".join(cases),
+        lambda out_dir: run_mirrored(out_dir, cases),
+    )
     return dict(np.load(folder / "mirrored.npz"))
 
 
-def run_mirrored(out_dir):
+def run_mirrored(out_dir, cases):
     result = subprocess.run(
-        [sys.executable, str(WORKER), "mirrored", str(out_dir)],
+        [
+            sys.executable,
+            str(WORKER),
+            "mirrored",
+            str(out_dir),
+            ",".join(cases),
+        ],
         env=ENV,
         capture_output=True,
         text=True,
@@ -77,20 +96,25 @@ def run_mirrored(out_dir):
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    folder = made_once(tmp_path_factory, "tf_multiworker", run_workers)
+def workers(tmp_path_factory, request):
+    cases = selected_params(request, "case")
+    folder = made_once(
+        tmp_path_factory,
+        "tf_multiworker_" + "_".join(cases),
+        lambda out_dir: run_workers(out_dir, cases),
+    )
     return [
         dict(np.load(folder / f"multiworker-{index}.npz")) for index in range(2)
     ]
 
 
-def run_workers(out_dir):
+def run_workers(out_dir, cases):
     # The ports are free when chosen, but another program may take one
     # before a worker binds it: then, and only then, try new ones.
     for _attempt in range(3):
         for stale in out_dir.iterdir():
             stale.unlink()
-        logs = run_two_workers(out_dir)
+        logs = run_two_workers(out_dir, cases)
         if not any(PORT_TAKEN in log for log in logs):
             break
     for index, log in enumerate(logs):
@@ -100,7 +124,7 @@ def run_workers(out_dir):
 PORT_TAKEN = "Could not start gRPC server"
 
 
-def run_two_workers(out_dir):
+def run_two_workers(out_dir, cases):
     """Runs the two workers to their end; returns what each printed."""
     addresses = [f"localhost:{port}" for port in free_ports(2)]
     processes, logs = [], []
@@ -113,7 +137,13 @@ def run_two_workers(out_dir):
         logs.append(log)
         processes.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), "multiworker", str(out_dir)],
+                [
+                    sys.executable,
+                    str(WORKER),
+                    "multiworker",
+                    str(out_dir),
+                    ",".join(cases),
+                ],
                 env=dict(ENV, TF_CONFIG=json.dumps(tf_config)),
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -24,10 +24,15 @@ from testing import FINITE
 from testing import NAN
 from testing import reference_trajectory
 
-pytestmark = pytest.mark.skipif(
-    BACKEND != "torch",
-    reason="torch.distributed data parallelism: the torch backend only",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        BACKEND != "torch",
+        reason="torch.distributed data parallelism: the torch backend only",
+    ),
+    # One xdist worker takes the module (`--dist loadgroup`): its module
+    # fixture runs once a run.
+    pytest.mark.xdist_group("distribution_torch"),
+]
 
 WORKER = pathlib.Path(__file__).with_name("torch_distribution_worker.py")
 PROCESS_TIMEOUT = 180  # seconds; the worker's own watchdog stops at 240

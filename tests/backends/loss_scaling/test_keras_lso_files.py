@@ -25,6 +25,10 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 
+# One xdist worker takes the whole module (`--dist loadgroup`), so its
+# module fixture, which trains and saves for a while, runs once a run.
+pytestmark = pytest.mark.xdist_group("keras_lso_files")
+
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures"
 KERAS_LSO = FIXTURES / "keras_lso"
 READER = pathlib.Path(__file__).with_name("keras_alone_reader.py")

@@ -20,6 +20,10 @@ from testing import to_numpy
 
 import keras_dtype_policy as kdp
 
+# One xdist worker takes the whole module (`--dist loadgroup`), so its
+# module fixture, which trains and saves for a while, runs once a run.
+pytestmark = pytest.mark.xdist_group("resume_formats")
+
 BATCH, BATCHES = 4, 3
 MODES = ("float32", "auto", "dynamic", "fixed")
 FORMATS = ("keras", "h5", "weights_h5", "backup", "tf_checkpoint")

@@ -2,8 +2,9 @@
 test_distribution_tensorflow.py.
 
 Usage:
-    python tf_distribution_worker.py mirrored OUT_DIR
-    python tf_distribution_worker.py multiworker OUT_DIR   (TF_CONFIG set)
+    python tf_distribution_worker.py mirrored OUT_DIR [CASES]
+    python tf_distribution_worker.py multiworker OUT_DIR [CASES]
+        (TF_CONFIG set; CASES: `policy-mode` cases, comma-separated)
 
 `mirrored` splits this process' CPU into two logical devices (before
 TensorFlow initialises) and trains each case with `model.fit`: on one device,
@@ -31,6 +32,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 ENGINE, OUT_DIR = sys.argv[1], sys.argv[2]
+# The `policy-mode` cases to run (all, or those named in a third argument,
+# comma-separated).
+CASES = sys.argv[3].split(",") if len(sys.argv) > 3 else None
 if ENGINE == "mirrored":
     _cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
@@ -212,6 +216,8 @@ def main():
     for policy in POLICIES:
         for mode in MODES:
             case = f"{policy}-{mode}"
+            if CASES is not None and case not in CASES:
+                continue
             if ENGINE == "mirrored":
                 single = make_model(policy, mode)
                 scales = train(single, record=True)

@@ -157,9 +157,32 @@ def test_tensorflow_compiles_the_step_once(monkeypatch):
     assert step.experimental_get_tracing_count() == 1
 
 
+# Each optimizer with one state dtype in the default runs, each state dtype
+# with two optimizers; the other four pairs in `tox -e full-tensorflow`.
+GROUPED_IN_DEFAULT_RUNS = {
+    ("adam", "8bit"),
+    ("clipped_adam", "float32"),
+    ("nadam", "8bit"),
+    ("adamw", "float32"),
+}
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
-@pytest.mark.parametrize("name", ["adam", "clipped_adam", "nadam", "adamw"])
-@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+@pytest.mark.parametrize(
+    ("name", "state_dtype"),
+    [
+        pytest.param(
+            name,
+            state_dtype,
+            marks=[]
+            if (name, state_dtype) in GROUPED_IN_DEFAULT_RUNS
+            else [pytest.mark.slow],
+            id=f"{state_dtype}-{name}",
+        )
+        for name in ("adam", "clipped_adam", "nadam", "adamw")
+        for state_dtype in ("float32", "8bit")
+    ],
+)
 def test_tensorflow_updates_a_large_model_group_by_group(
     name, state_dtype, monkeypatch
 ):

@@ -19,6 +19,10 @@ import keras_dtype_policy as kdp
 from keras_dtype_policy import patches
 from keras_dtype_policy.low_precision import state_sharding
 
+# One xdist worker takes the whole module (`--dist loadgroup`), so its
+# module fixture, which trains and saves for a while, runs once a run.
+pytestmark = pytest.mark.xdist_group("state_sharding")
+
 WORKER = pathlib.Path(__file__).with_name("state_sharding_worker.py")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEVICES = 8

@@ -26,6 +26,9 @@ from testing import BACKEND
 from testing import run_json_worker
 
 pytestmark = [
+    # One xdist worker takes the module (`--dist loadgroup`): its module
+    # fixture runs once a run.
+    pytest.mark.xdist_group("tf_checkpoints"),
     pytest.mark.skipif(
         BACKEND != "tensorflow",
         reason="tf.train.Checkpoint and SavedModel export are TensorFlow's; "

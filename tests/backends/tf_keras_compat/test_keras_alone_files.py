@@ -23,6 +23,10 @@ import keras_dtype_policy as kdp
 from keras_dtype_policy.low_precision import block_codes
 from keras_dtype_policy.low_precision import compensated_updates
 
+# One xdist worker takes the whole module (`--dist loadgroup`), so its
+# module fixture, which trains and saves for a while, runs once a run.
+pytestmark = pytest.mark.xdist_group("keras_alone_files")
+
 WORKER = pathlib.Path(__file__).with_name("keras_alone_worker.py")
 # The three policies, a 4-bit one, and a float16 one (loss scaled).
 POLICIES = {

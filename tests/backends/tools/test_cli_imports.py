@@ -23,8 +23,9 @@ from testing import cli_error_line
 BACKEND = keras.backend.backend()
 # Each test starts a process of its own (about 5 s); finding and importing
 # the user's module does not depend on the backend: one backend each in
-# the default runs (`rotated`, tests/backends/conftest.py).
-pytestmark = pytest.mark.rotated
+# the default runs (`rotated`, tests/backends/conftest.py). One xdist
+# worker takes the module (`--dist loadgroup`): its module fixture runs once.
+pytestmark = [pytest.mark.rotated, pytest.mark.xdist_group("cli_imports")]
 LAYERS = """
 import keras
 
