@@ -45,6 +45,33 @@ _ELSEWHERE = {
         "(FSDP, or ZeroRedundancyOptimizer for a torch optimizer)"
     ),
 }
+# Where Keras' torch backend has `keras.distribution` (keras-nightly
+# 3.16.0.dev2026102704: DataParallel through DistributedDataParallel,
+# ModelParallel through DTensor layouts).
+_TORCH_DISTRIBUTION = (
+    "Keras {version}'s torch backend has a distribution API "
+    "(DataParallel through DistributedDataParallel, ModelParallel through "
+    "DTensor layouts), which the switch does not support yet: under it "
+    "each process keeps the whole optimizer state, as Keras alone does"
+)
+
+
+def _elsewhere(backend):
+    """What `backend` (not JAX) offers instead, for the refusal."""
+    if backend == backend_dispatch.TORCH and torch_has_distribution():
+        return _TORCH_DISTRIBUTION.format(version=keras.__version__)
+    return _ELSEWHERE.get(backend, "")
+
+
+def torch_has_distribution():
+    """True where Keras' torch backend has `keras.distribution` (Keras'
+    development branch); its releases up to 3.15 have none, and
+    `keras.distribution.list_devices()` raises `AttributeError` there."""
+    try:
+        keras.distribution.list_devices()
+    except AttributeError:
+        return False
+    return True
 
 
 def shard_optimizer_state(
@@ -89,7 +116,7 @@ def shard_optimizer_state(
     if not backend_dispatch.is_jax():
         raise NotImplementedError(
             "shard_optimizer_state works on the JAX backend's "
-            f"keras.distribution only. {_ELSEWHERE.get(backend, '')} "
+            f"keras.distribution only. {_elsewhere(backend)}. "
             f"Received: optimizer={optimizer.name!r} on backend={backend!r}"
         )
     distribution = keras.distribution.distribution()
