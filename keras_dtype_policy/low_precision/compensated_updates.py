@@ -132,11 +132,18 @@ def kahan_write(weight, compensation, value):
         compensation: Its compensation buffer, a variable of the same shape.
         value: The float32 value to store.
     """
-    value = ops.cast(value, "float32")
-    rounded = ops.cast(value, weight.dtype)
-    residual = ops.subtract(value, ops.cast(rounded, "float32"))
+    rounded, residual = kahan_split(value, weight.dtype, compensation.dtype)
     weight.assign(rounded)
-    compensation.assign(ops.cast(residual, compensation.dtype))
+    compensation.assign(residual)
+
+
+def kahan_split(value, weight_dtype, compensation_dtype):
+    """Returns `(rounded, residual)`: what `kahan_write` stores of float32
+    `value` in a weight of `weight_dtype` and its compensation."""
+    value = ops.cast(value, "float32")
+    rounded = ops.cast(value, weight_dtype)
+    residual = ops.subtract(value, ops.cast(rounded, "float32"))
+    return rounded, ops.cast(residual, compensation_dtype)
 
 
 def kahan_fold(weight, compensation):

@@ -59,14 +59,21 @@ class Float32View(StandIn):
         )
         self._layout = getattr(weight, "_layout", None)
 
+    def storage(self):
+        stored = {"weight": self.weight}
+        if self.compensation is not None:
+            stored["compensation"] = self.compensation
+        return stored
+
     def stored_value(self):
         if self.building:
             return self.weight.value
+        weight = self.read("weight")
         if self.compensation is not None:
             return compensated_updates.kahan_read(
-                self.weight.value, self.compensation.value
+                weight, self.read("compensation")
             )
-        return ops.cast(self.weight.value, "float32")
+        return ops.cast(weight, "float32")
 
     @property
     def dtype(self):

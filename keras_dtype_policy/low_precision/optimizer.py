@@ -9,6 +9,7 @@ from keras import ops
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy import unconverted
 from keras_dtype_policy.low_precision import arguments
+from keras_dtype_policy.low_precision import chunked_updates
 from keras_dtype_policy.low_precision import compensated_updates
 from keras_dtype_policy.low_precision import float32_views
 from keras_dtype_policy.low_precision import gradient_release
@@ -418,27 +419,37 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 slot.working = None
 
     def _updates(self, grads, variables, learning_rate):
-        """The inner optimizer's `update_step`, one variable at a time."""
-        inner = self.inner_optimizer
+        """The inner optimizer's `update_step`, one variable at a time (a
+        large one a chunk at a time, see `chunked_updates`)."""
         for grad, variable in zip(grads, variables, strict=True):
             if getattr(variable, "overwrite_with_gradient", False):
                 variable.assign(grad)
                 continue
             target = self._targets.views.get(id(variable), variable)
-            if inner.weight_decay is not None and inner._use_weight_decay(
-                variable
-            ):
-                decay = ops.multiply(
-                    ops.cast(inner.weight_decay, target.dtype),
-                    ops.cast(learning_rate, target.dtype),
+            chunked = chunked_updates.stand_ins_of(self, variable, grad)
+            if chunked is not None:
+                chunked_updates.update(
+                    self, chunked, grad, learning_rate, self._update_one
                 )
-                value = ops.convert_to_tensor(target)
-                target.assign(value - value * decay)
-            inner.update_step(grad, target, learning_rate)
+                continue
+            self._update_one(grad, variable, target, learning_rate)
             if variable.constraint is not None:
                 target.assign(
                     variable.constraint(ops.convert_to_tensor(target))
                 )
+
+    def _update_one(self, grad, variable, target, learning_rate):
+        """The weight decay and `update_step` of one variable, through
+        `target` (its view, or itself)."""
+        inner = self.inner_optimizer
+        if inner.weight_decay is not None and inner._use_weight_decay(variable):
+            decay = ops.multiply(
+                ops.cast(inner.weight_decay, target.dtype),
+                ops.cast(learning_rate, target.dtype),
+            )
+            value = ops.convert_to_tensor(target)
+            target.assign(value - value * decay)
+        inner.update_step(grad, target, learning_rate)
 
     def _batched_updates(
         self, torch_step, grads, variables, learning_rate, noise
@@ -463,21 +474,24 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 )
 
     def _write(self, view, value):
-        """Writes a float32 result into the weight behind `view`."""
-        weight = view.weight
+        """Writes a float32 result into the weight behind `view` (into
+        its chunk, while a chunk is updated)."""
+        dtype = view.weight.dtype
         value = ops.cast(value, "float32")
-        if not compensated_updates.is_low_precision(weight.dtype):
-            weight.assign(ops.cast(value, weight.dtype))
+        if not compensated_updates.is_low_precision(dtype):
+            view.write(weight=ops.cast(value, dtype))
         elif view.compensation is not None:
-            compensated_updates.kahan_write(weight, view.compensation, value)
+            rounded, residual = compensated_updates.kahan_split(
+                value, dtype, view.compensation.dtype
+            )
+            view.write(weight=rounded, compensation=residual)
         elif self._update_rule == "stochastic_rounding":
-            weight.assign(
-                compensated_updates.stochastic_round(
-                    value, weight.dtype, self.seed_generator
-                )
+            seed = view.rounding_seed(self.seed_generator)
+            view.write(
+                weight=compensated_updates.stochastic_round(value, dtype, seed)
             )
         else:
-            weight.assign(ops.cast(value, weight.dtype))
+            view.write(weight=ops.cast(value, dtype))
 
     def _write_slot(self, slot, value):
         """Writes a float32 result into a low-precision optimizer slot."""

@@ -116,12 +116,16 @@ class QuantizedSlot(StandIn):
             shape=shape, name=slot_name, path=slot_name, storage_name=slot_name
         )
 
+    def storage(self):
+        return {"codes": self.codes, "scales": self.scales}
+
     def stored_value(self):
+        size = self._stood_size()
         flat = block_codes.dequantize(
-            self.codes.value, self.scales.value, self.code
+            self.read("codes"), self.read("scales"), self.code
         )
-        if self.size != _padded(self.size, self.code):
-            flat = flat[: self.size]
+        if size != _padded(size, self.code):
+            flat = flat[:size]
         return ops.reshape(flat, self.shape)
 
     def assign(self, value):
@@ -136,12 +140,17 @@ class QuantizedSlot(StandIn):
         """Quantizes float32 `value` (the slot's shape) into the codes:
         to the nearer level with `nearest` (a value carried over from
         another optimizer), else as the owner's steps round."""
-        seed = None if nearest else self.owner.state_rounding_seed()
+        seed = None
+        if not nearest:
+            seed = self.rounding_seed(self.owner.state_rounding_seed())
         codes, scales = block_codes.quantize(
-            _padded_flat(value, self.size, self.code), self.code, seed
+            _padded_flat(value, self._stood_size(), self.code), self.code, seed
         )
-        self.codes.assign(codes)
-        self.scales.assign(scales)
+        self.write(codes=codes, scales=scales)
+
+    def _stood_size(self):
+        """Elements of what it stands for: the slot's, or its chunk's."""
+        return self.size if self.chunk is None else self.chunk.size
 
     def __repr__(self):
         return f"<{self.code.bits}-bit slot {self.name}>"

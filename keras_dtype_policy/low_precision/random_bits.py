@@ -84,7 +84,7 @@ def next_key(seed):
     )
 
 
-def hashed_noise(shape, bits, key):
+def hashed_noise(shape, bits, key, offset=None):
     """Returns int32 values in `[0, 2**bits)`, the hash of each element's
     index with `key`: the same on every backend.
 
@@ -92,11 +92,16 @@ def hashed_noise(shape, bits, key):
         shape: The shape of the result.
         bits: How many random bits each element gets, 1 to 16.
         key: An int32 scalar tensor (see `next_key`).
+        offset: The index of the first element (an int or an int32
+            scalar tensor), for a piece of a larger tensor: the piece
+            gets the bits of those elements of the whole. None for 0.
     """
     size = 1
     for dimension in shape:
         size *= int(dimension)
     index = ops.arange(size, dtype="int32")
+    if offset is not None:
+        index = ops.add(index, ops.cast(offset, "int32"))
     hashed = mix(ops.bitwise_xor(index, key))
     return ops.reshape(logical_right_shift(hashed, 32 - bits), shape)
 
@@ -110,12 +115,52 @@ def rounding_noise(shape, bits, seed):
     Args:
         shape: The shape of the result.
         bits: How many random bits each element gets, 1 to 16.
-        seed: A `keras.random.SeedGenerator` (advanced by one) or an int.
+        seed: A `keras.random.SeedGenerator` (advanced by one), an int, or
+            the `ChunkKeys` of one chunk of a variable's update.
     """
+    if isinstance(seed, ChunkKeys):
+        return seed.noise(shape, bits)
     own = backend_dispatch.module_for("rounding_noise")
     if own is not None:
         return own.rounding_noise(shape, bits, seed)
     return hashed_noise(shape, bits, next_key(seed))
+
+
+class ChunkKeys:
+    """A generator's next keys, for one chunk of a larger update.
+
+    A variable updated a chunk at a time (`chunked_updates`) must draw
+    the bits the whole update would: the update's `n`-th draw takes the
+    key of the generator's state `n` draws after the state it started
+    from (Keras' `SeedGenerator.next` adds `[0, 1]` a draw), hashed with
+    each element's index in the whole variable. The generator itself is
+    advanced once, after the chunks, by `drawn`.
+
+    Args:
+        start_state: The generator's state before the update (a tensor).
+        offset: The index of the chunk's first element in the variable.
+
+    Attributes:
+        drawn: How many keys the chunk drew so far.
+    """
+
+    def __init__(self, start_state, offset):
+        self.start_state = start_state
+        self.offset = offset
+        self.drawn = 0
+
+    def noise(self, shape, bits):
+        """`hashed_noise` of the next key, at the chunk's elements."""
+        key = key_of(advanced_state(self.start_state, self.drawn))
+        self.drawn += 1
+        return hashed_noise(shape, bits, key, self.offset)
+
+
+def advanced_state(state, draws):
+    """A generator's state `draws` ordered draws after `state`."""
+    state = ops.convert_to_tensor(state)
+    step = ops.convert_to_tensor(np.array([0, draws]), dtype=state.dtype)
+    return ops.add(state, step)
 
 
 def python_key(seed_value, counter):

@@ -8,6 +8,10 @@ reads go to the subclass' `stored_value` and writes to its `assign`. Its
 own storage is one float32 scalar, which a `keras.Variable` must have (and
 a distribution lays out like any variable).
 
+While one chunk of a large variable's update runs (`chunked_updates`),
+a stand-in has a `ChunkState`: it stands for that chunk, flat, and reads
+and writes the chunk's tensors instead of its storage variables.
+
 A stand-in is never saved: what it stands for is saved in its own right
 (the weight and its compensation buffer, or the codes and scales). Keras'
 files save the optimizer's `variables`, which hold no stand-in;
@@ -16,15 +20,35 @@ the inner optimizer's lists and save nothing of them.
 """
 
 import contextlib
+import dataclasses
 
 import keras
 from keras import ops
 
 
+@dataclasses.dataclass
+class ChunkState:
+    """What a stand-in reads and writes while one chunk of it is updated.
+
+    Attributes:
+        size: How many elements the chunk has (a Python int).
+        stored: `{name: tensor}` of the chunk of each storage variable
+            (named as `StandIn.storage` names them), replaced as it is
+            written.
+        keys: The `random_bits.ChunkKeys` its rounding draws from, or
+            None where nothing rounds at random.
+    """
+
+    size: int
+    stored: dict
+    keys: object = None
+
+
 class StandIn(keras.Variable):
     """A float32 `keras.Variable` that stands for a value stored elsewhere.
 
-    Subclasses give `stored_value()` and `assign(value)`.
+    Subclasses give `storage()`, `stored_value()` and `assign(value)`,
+    reading and writing storage through `read` and `write`.
 
     Args:
         shape: The shape of the value stood for.
@@ -35,6 +59,7 @@ class StandIn(keras.Variable):
     Attributes:
         working: The float32 tensor of the value that a step updates in
             place or wrote last, read back as it is; None outside a step.
+        chunk: The `ChunkState` of the chunk it stands for, or None.
     """
 
     def __init__(self, *, shape, name, path, storage_name):
@@ -42,6 +67,7 @@ class StandIn(keras.Variable):
         self.stood_name = name
         self.stood_path = path
         self.working = None
+        self.chunk = None
         # While its own scalar is made, the stand-in has the scalar's shape
         # (a distribution lays the scalar out by it).
         self._making_storage = True
@@ -54,9 +80,37 @@ class StandIn(keras.Variable):
         )
         self._making_storage = False
 
+    def storage(self):
+        """Returns `{name: keras.Variable}` of what stores the value."""
+        raise NotImplementedError
+
     def stored_value(self):
         """Returns the float32 value stood for, read from its storage."""
         raise NotImplementedError
+
+    def read(self, name):
+        """The value of the storage variable `name` (of the chunk, in a
+        chunk)."""
+        if self.chunk is not None:
+            return self.chunk.stored[name]
+        return self.storage()[name].value
+
+    def write(self, **values):
+        """Assigns each storage variable named its new value (in a chunk,
+        keeps it as the chunk's)."""
+        if self.chunk is not None:
+            self.chunk.stored.update(values)
+            return
+        storage = self.storage()
+        for name, value in values.items():
+            storage[name].assign(value)
+
+    def rounding_seed(self, seed):
+        """The seed a write rounds with: `seed` (a `SeedGenerator`, or
+        None for rounding to nearest), or the chunk's keys in a chunk."""
+        if seed is None or self.chunk is None:
+            return seed
+        return self.chunk.keys
 
     @property
     def value(self):
@@ -72,6 +126,8 @@ class StandIn(keras.Variable):
     def shape(self):
         if self._making_storage:
             return self._shape
+        if self.chunk is not None:
+            return (self.chunk.size,)
         return self.stood_shape
 
     @property

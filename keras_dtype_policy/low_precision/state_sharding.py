@@ -183,7 +183,8 @@ def sharded_layout(shape, layout, distribution):
 
 
 def unshard_all():
-    """Takes `add_variable` off every optimizer that holds it.
+    """Takes `SHARDING_METHODS` (`add_variable`, `save_own_variables`)
+    off every optimizer that holds them.
 
     Called by `keras_dtype_policy.uninstall()`: state made afterwards gets
     Keras' layout; state already made keeps its own (and is saved as

@@ -599,3 +599,32 @@ def test_small_updates_add_up_under_stochastic_rounding_only():
     # independent (bits repeated from step to step would make some
     # weights always round up and the others never).
     assert 0.9 * spread < final.std() < 1.1 * spread
+
+
+def test_chunk_keys_draw_the_whole_tensors_bits_at_its_elements():
+    """A chunk of a tensor gets, draw after draw, the bits the whole
+    tensor gets at those elements from a generator in the same state;
+    the generator advanced by the chunk's draws is where the whole
+    tensor's draws leave it."""
+    whole_generator = keras.random.SeedGenerator(7)
+    # A copy: torch's variable is updated in place.
+    start = keras.ops.convert_to_tensor(whole_generator.state.numpy())
+    whole = [
+        keras.ops.convert_to_numpy(
+            random_bits.hashed_noise(
+                (1000,), 16, random_bits.next_key(whole_generator)
+            )
+        )
+        for _ in range(3)
+    ]
+    keys = random_bits.ChunkKeys(start, 300)
+    chunk = [
+        keras.ops.convert_to_numpy(keys.noise((200,), 16)) for _ in range(3)
+    ]
+    for full, piece in zip(whole, chunk, strict=True):
+        np.testing.assert_array_equal(piece, full[300:500])
+    assert not np.array_equal(chunk[0], chunk[1])
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(random_bits.advanced_state(start, 3)),
+        keras.ops.convert_to_numpy(whole_generator.state.value),
+    )

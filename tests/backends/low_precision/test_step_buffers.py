@@ -162,3 +162,56 @@ def test_jax_step_frees_each_gradient_after_its_update():
         "float32", arguments, adam={"global_clipnorm": 1.0}, depths=(4, 8)
     )
     assert clipped["temporaries"] >= FLOAT32_GRADIENT_BYTES, clipped
+
+
+def embedding_step_temporaries(policy, arguments, rows):
+    """XLA's temporary bytes of the step over one 256-wide embedding."""
+    import jax
+
+    keras.utils.clear_session()
+    with kdp.policy_scope(policy):
+        tokens = keras.Input((1,), dtype="int32")
+        rows_out = keras.layers.Embedding(rows, 256)(tokens)
+        outputs = keras.layers.Dense(1)(keras.layers.Flatten()(rows_out))
+        model = keras.Model(tokens, outputs)
+    optimizer = kdp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-4), **arguments
+    )
+    model.compile(optimizer=optimizer, loss="mean_squared_error")
+    x = (np.arange(8) * 997 % rows).reshape(8, 1).astype("int32")
+    y = np.ones((8, 1), "float32")
+    model.train_on_batch(x, y)
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
+    compiled = (
+        jax.jit(model.train_step, donate_argnums=0)
+        .lower(state, (x, y))
+        .compile()
+    )
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_one_large_variable_is_updated_a_chunk_at_a_time(monkeypatch):
+    """An embedding of 4.2M and 16.8M elements with 8-bit state: the
+    whole update's temporaries grow by 14 bytes an element, the chunked
+    update's (`chunked_updates`) by 8: the float32 gradient's 4 and the
+    copy of the codes XLA's CPU compiler makes as the loops start."""
+    from keras_dtype_policy.low_precision import chunked_updates
+
+    policy, arguments = QUANTIZED["stochastic_8bit"]
+    added = (65536 - 16384) * 256
+
+    def growth():
+        small = embedding_step_temporaries(policy, arguments, 16384)
+        large = embedding_step_temporaries(policy, arguments, 65536)
+        return (large - small) / added
+
+    chunked = growth()
+    monkeypatch.setattr(chunked_updates, "CHUNKED_ABOVE", 2**40)
+    whole = growth()
+    assert chunked <= 4 + 4 + SLACK
+    assert whole >= chunked + 4

@@ -1,0 +1,289 @@
+"""One large variable's update with 8-bit state, a chunk at a time (JAX).
+
+XLA computes a variable's update with coded state as one piece: the
+dequantized moments, their new values (read twice: for each block's
+largest magnitude, then to code them) and the random bits are
+whole-variable float32 temporaries. In XLA's buffer assignment of the
+JAX step, one embedding's update with 8-bit state holds 14 bytes an
+element of temporaries (18 with Kahan compensation) against the 4 of its
+float32 gradient. Variables are updated one after another, so the cost
+is set by the largest one: an LLM's embedding table, or one projection
+of tens of millions of elements.
+
+A variable of more than `CHUNKED_ABOVE` elements whose every slot has
+8-bit codes and whose inner optimizer is one of
+`ELEMENTWISE_OPTIMIZERS` is updated by `keras.ops.fori_loop`s over
+chunks of `CHUNK_ELEMENTS` elements (whole blocks): the loop body slices
+the weight, its compensation and each slot's codes and scales, runs the
+same update on the slices (the stand-ins stand for the chunk, see
+`stand_ins.ChunkState`) and puts the new slices back into the loop's
+carry, which XLA updates in place. The random bits are those of the
+whole update: each draw's key comes from the generator's state before
+the update (`random_bits.ChunkKeys`), each element's bits from its index
+in the whole variable. The chunked update equals the whole one bit for
+bit where XLA compiles the same arithmetic the same way in the loop (the
+tests: Adam, AdamW, Adamax, Nadam, Lion, SGD, RMSprop, Adagrad);
+Adadelta's differs by float32 rounding. The temporaries are 8 bytes an
+element, the gradient's 4 and a copy XLA's CPU compiler makes of the
+codes as the loops start (10 with compensation), at the step time of
+the whole update.
+
+Only on JAX inside `jax.jit` (as `fit` runs it), without a
+`keras.distribution` (a dynamic slice of a sharded array would gather
+it). Not measured worth it elsewhere (benchmark 12's notes): the 4-bit
+codes' loop runs 3.3 times slower than their whole update on a CPU,
+TensorFlow's 1.8 times; an eager JAX update runs op by op, its own
+memory freed as it goes; PyTorch runs its own batched step.
+"""
+
+import keras
+from keras import ops
+
+from keras_dtype_policy import backend_dispatch
+from keras_dtype_policy.loss_scaling import backend_utils
+from keras_dtype_policy.low_precision import block_codes
+from keras_dtype_policy.low_precision import random_bits
+from keras_dtype_policy.low_precision import slot_lists
+from keras_dtype_policy.low_precision.stand_ins import ChunkState
+
+# Elements of one chunk: whole blocks of every code (`block_codes.BLOCKS`).
+CHUNK_ELEMENTS = 2**20
+# Variables of more elements are updated a chunk at a time.
+CHUNKED_ABOVE = 2 * CHUNK_ELEMENTS
+# Keras' optimizers whose `update_step` treats every element on its own
+# and updates the slots without reading the weight (Ftrl's `linear` reads
+# it: not here).
+ELEMENTWISE_OPTIMIZERS = (
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "Lion",
+    "Nadam",
+    "RMSprop",
+    "SGD",
+)
+
+
+def stand_ins_of(wrapper, variable, grad):
+    """Returns `(view, slots)` of a variable whose update runs a chunk at
+    a time, or None where it runs whole.
+
+    Args:
+        wrapper: The built `LowPrecisionOptimizer`.
+        variable: One of its model variables.
+        grad: Its gradient.
+    """
+    size = block_codes.element_count(variable.shape)
+    if size <= CHUNKED_ABOVE or variable.constraint is not None:
+        return None
+    if not _elementwise(wrapper.inner_optimizer):
+        return None
+    if not _loops_in_place(grad):
+        return None
+    targets = wrapper._targets
+    view = targets.views.get(id(variable))
+    slots = slot_lists.slots_by_variable(wrapper)
+    if view is None or slots is None or not slots[id(variable)]:
+        return None
+    coded = [targets.quantized_slots.get(id(s)) for s in slots[id(variable)]]
+    if any(slot is None or slot.code.bits != 8 for slot in coded):
+        return None
+    return view, coded
+
+
+def update(wrapper, stand_ins, grad, learning_rate, update_one):
+    """Runs one variable's update a chunk at a time.
+
+    Two loops over the chunks: the first writes the weight (and its
+    compensation) and leaves the codes as they were, the second writes
+    the codes and scales. Each runs the whole update of a chunk, and
+    XLA drops what the loop does not keep: the first loop reads the old
+    codes while the second rewrites them, so that no loop reads a value
+    it has overwritten (else XLA copies the whole variable's storage at
+    every chunk). The moments are computed twice, a few operations an
+    element; the slots' updates read no weight (`ELEMENTWISE_OPTIMIZERS`).
+
+    Args:
+        wrapper: The `LowPrecisionOptimizer`.
+        stand_ins: `(view, slots)` from `stand_ins_of`.
+        grad: The variable's gradient.
+        learning_rate: The step's learning rate.
+        update_one: `update_one(grad, variable, target, learning_rate)`,
+            the wrapper's update of one variable through its view.
+    """
+    view, slots = stand_ins
+    pieces = [
+        _Piece(stand_in, name, _elements_per_row(stand_in))
+        for stand_in in (view, *slots)
+        for name in stand_in.storage()
+    ]
+    size = block_codes.element_count(view.stood_shape)
+    grad = ops.convert_to_tensor(grad)
+    grad_dtype = keras.backend.standardize_dtype(grad.dtype)
+    grad = _as_bits(ops.reshape(grad, (-1,)))
+    generator = wrapper.seed_generator
+    start_state = None
+    if generator is not None:
+        start_state = ops.convert_to_tensor(generator.state.value)
+    values = {
+        piece: _as_bits(_flat_rows(piece.variable().value, piece.per_row))
+        for piece in pieces
+    }
+    drawn = set()
+
+    def run_chunk(first, chunk_size, written, carry):
+        """Updates elements `[first, first + chunk_size)`, and returns
+        `carry` (the storage of the pieces `written`) with their new
+        values put in."""
+        keys = None
+        if start_state is not None:
+            keys = random_bits.ChunkKeys(start_state, first)
+        current = dict(values)
+        current.update(zip(written, carry, strict=True))
+        for stand_in in (view, *slots):
+            stand_in.chunk = ChunkState(chunk_size, {}, keys)
+        for piece in pieces:
+            rows = _rows(
+                current[piece], piece.row(first), piece.rows(chunk_size)
+            )
+            piece.stand_in.chunk.stored[piece.name] = _from_bits(
+                rows, piece.variable().dtype
+            )
+        try:
+            piece_grad = _from_bits(
+                ops.slice(grad, [first], [chunk_size]), grad_dtype
+            )
+            update_one(piece_grad, view.weight, view, learning_rate)
+            new = [_as_bits(p.stand_in.chunk.stored[p.name]) for p in written]
+        finally:
+            for stand_in in (view, *slots):
+                stand_in.chunk = None
+                stand_in.working = None
+        drawn.add(0 if keys is None else keys.drawn)
+        return [
+            _put_rows(whole, piece.row(first), value)
+            for piece, whole, value in zip(written, carry, new, strict=True)
+        ]
+
+    chunks, tail = divmod(size, CHUNK_ELEMENTS)
+    for written in (
+        [p for p in pieces if p.stand_in is view],
+        [p for p in pieces if p.stand_in is not view],
+    ):
+        carry = ops.fori_loop(
+            0,
+            chunks,
+            lambda index, carry, written=written: run_chunk(
+                ops.multiply(ops.cast(index, "int32"), CHUNK_ELEMENTS),
+                CHUNK_ELEMENTS,
+                written,
+                list(carry),
+            ),
+            [values[p] for p in written],
+        )
+        if tail:
+            first = chunks * CHUNK_ELEMENTS
+            carry = run_chunk(first, tail, written, list(carry))
+        values.update(zip(written, carry, strict=True))
+    for piece in pieces:
+        variable = piece.variable()
+        value = _from_bits(values[piece], variable.dtype)
+        variable.assign(ops.reshape(value, variable.shape))
+    if len(drawn) != 1:
+        raise RuntimeError(
+            "A chunked update drew a different number of random keys in "
+            f"different chunks: {sorted(drawn)}."
+        )
+    if generator is not None:
+        generator.state.assign(
+            random_bits.advanced_state(start_state, drawn.pop())
+        )
+
+
+class _Piece:
+    """One storage variable of a stand-in, as the chunks cut it.
+
+    Args:
+        stand_in: The stand-in.
+        name: The variable's name in `stand_in.storage()`.
+        per_row: Elements of the value stood for in one row of it.
+    """
+
+    def __init__(self, stand_in, name, per_row):
+        self.stand_in = stand_in
+        self.name = name
+        self.per_row = per_row
+
+    def variable(self):
+        return self.stand_in.storage()[self.name]
+
+    def row(self, first):
+        """The row holding element `first` (a block's first)."""
+        if self.per_row == 1 or isinstance(first, int):
+            return first // self.per_row
+        return ops.floor_divide(first, self.per_row)
+
+    def rows(self, elements):
+        """Rows that `elements` elements from a row's first take."""
+        return -(-elements // self.per_row)
+
+
+def _elementwise(inner):
+    """True for an instance of exactly one of `ELEMENTWISE_OPTIMIZERS`."""
+    kinds = tuple(getattr(keras.optimizers, n) for n in ELEMENTWISE_OPTIMIZERS)
+    return type(inner) in kinds
+
+
+def _loops_in_place(grad):
+    """True where a `fori_loop` over a variable's chunks updates its carry
+    in place and the whole update would be one XLA computation too (see
+    the module docstring)."""
+    if not backend_dispatch.is_jax() or backend_utils.is_concrete(grad):
+        return False
+    return keras.distribution.distribution() is None
+
+
+def _elements_per_row(stand_in):
+    """Elements of the value stood for in one row of `stand_in`'s
+    storage: 1 for a weight, a block for codes and scales."""
+    code = getattr(stand_in, "code", None)
+    return 1 if code is None else code.block
+
+
+def _as_bits(value):
+    """A bfloat16 or float16 tensor viewed as int16, else `value`.
+
+    XLA's CPU compiler does the slicing and putting back of a bfloat16
+    array in float32 (converting the whole array, at every chunk); its
+    bits as int16 are moved as they are.
+    """
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    if dtype in ("bfloat16", "float16"):
+        return ops.view(value, "int16")
+    return value
+
+
+def _from_bits(value, dtype):
+    """`value` back in `dtype` where `_as_bits` viewed it as int16."""
+    dtype = keras.backend.standardize_dtype(dtype)
+    if dtype in ("bfloat16", "float16"):
+        return ops.view(value, dtype)
+    return value
+
+
+def _flat_rows(value, per_row):
+    """A weight flat; codes and scales as they are (one row a block)."""
+    return ops.reshape(value, (-1,)) if per_row == 1 else value
+
+
+def _rows(whole, start, count):
+    """`count` rows of `whole` from row `start`."""
+    rest = [int(d) for d in whole.shape[1:]]
+    return ops.slice(whole, [start] + [0] * len(rest), [count] + rest)
+
+
+def _put_rows(whole, start, rows):
+    """`whole` with `rows` put in from row `start`."""
+    return ops.slice_update(whole, [start] + [0] * (len(whole.shape) - 1), rows)
