@@ -248,13 +248,21 @@ def _float_bits(index):
 
 
 def _pack(index, code):
-    """Two 4-bit codes a byte: the even element low, the odd one high."""
+    """Two 4-bit codes a byte: the even element low, the odd one high.
+
+    The codes as int8, viewed two at a time as int16: on a little-endian
+    machine (x86, Arm, every GPU) its low byte is the even element's. A
+    pairing by strided slices (`pairs[:, :, 0]`) gives the same bytes,
+    but XLA's CPU compiler makes a slow loop of it inside a `fori_loop`
+    (the 4-bit quantization of a chunked update ran at 1.8 times its
+    whole-variable time; with the view, as fast as 8-bit codes).
+    """
     if code.signed:
         index = ops.add(index, code.levels)
-    pairs = ops.reshape(index, (ops.shape(index)[0], -1, 2))
-    return ops.subtract(
-        ops.add(pairs[:, :, 0], ops.multiply(pairs[:, :, 1], 16)), 128
-    )
+    pairs = ops.cast(ops.view(ops.cast(index, "int8"), "int16"), "int32")
+    high = ops.right_shift(pairs, 8)
+    low = ops.subtract(pairs, ops.multiply(high, 256))
+    return ops.subtract(ops.add(low, ops.multiply(high, 16)), 128)
 
 
 def _unpack(packed, code):
