@@ -10,29 +10,33 @@ float32 gradient. Variables are updated one after another, so the cost
 is set by the largest one: an LLM's embedding table, or one projection
 of tens of millions of elements.
 
-A variable of more than `CHUNKED_ABOVE` elements whose every slot has
-8-bit codes and whose inner optimizer is one of
-`ELEMENTWISE_OPTIMIZERS` is updated by `keras.ops.fori_loop`s over
-chunks of `CHUNK_ELEMENTS` elements (whole blocks): the loop body slices
-the weight, its compensation and each slot's codes and scales, runs the
-same update on the slices (the stand-ins stand for the chunk, see
-`stand_ins.ChunkState`) and puts the new slices back into the loop's
-carry, which XLA updates in place. The random bits are those of the
+The largest variable, if it has more than `CHUNKED_ABOVE` elements,
+`DOMINANCE` times the next largest's, 8-bit codes in every slot and an
+inner optimizer of `ELEMENTWISE_OPTIMIZERS`, is updated by
+`keras.ops.fori_loop`s over chunks of `CHUNK_ELEMENTS` elements (whole
+blocks): the loop body slices the weight, its compensation and each
+slot's codes and scales, runs the same update on the slices (the
+stand-ins stand for the chunk, see `stand_ins.ChunkState`) and puts the
+new slices back into the loop's carry. The random bits are those of the
 whole update: each draw's key comes from the generator's state before
 the update (`random_bits.ChunkKeys`), each element's bits from its index
 in the whole variable. The chunked update equals the whole one bit for
 bit where XLA compiles the same arithmetic the same way in the loop (the
 tests: Adam, AdamW, Adamax, Nadam, Lion, SGD, RMSprop, Adagrad);
-Adadelta's differs by float32 rounding. The temporaries are 8 bytes an
-element, the gradient's 4 and a copy XLA's CPU compiler makes of the
-codes as the loops start (10 with compensation), at the step time of
-the whole update.
+Adadelta's differs by float32 rounding. Its temporaries are 8 bytes an
+element (10 with compensation): the gradient's 4 and one copy of the
+weight and codes, which XLA makes because a loop cannot update a donated
+argument in place, and which lives to the end of the step. That copy is
+why only one dominant variable (an embedding table) is chunked: chunking
+every variable of a Dense stack raised the step's temporaries from 2 to
+6 bytes a parameter, where the whole updates' own temporaries, one
+variable at a time, do not grow with the model.
 
 Only on JAX inside `jax.jit` (as `fit` runs it), without a
 `keras.distribution` (a dynamic slice of a sharded array would gather
-it). Not measured worth it elsewhere (benchmark 12's notes): the 4-bit
-codes' loop runs 3.3 times slower than their whole update on a CPU,
-TensorFlow's 1.8 times; an eager JAX update runs op by op, its own
+it). Not measured worth it elsewhere (docs/low-precision-training.md):
+the 4-bit codes' loop runs 2.1 times slower than their whole update on
+a CPU, TensorFlow's 1.8 times; an eager JAX update runs op by op, its own
 memory freed as it goes; PyTorch runs its own batched step.
 """
 
@@ -45,11 +49,14 @@ from keras_dtype_policy.low_precision import block_codes
 from keras_dtype_policy.low_precision import random_bits
 from keras_dtype_policy.low_precision import slot_lists
 from keras_dtype_policy.low_precision.stand_ins import ChunkState
+from keras_dtype_policy.low_precision.step_targets import NOT_COMPUTED
 
 # Elements of one chunk: whole blocks of every code (`block_codes.BLOCKS`).
 CHUNK_ELEMENTS = 2**20
-# Variables of more elements are updated a chunk at a time.
+# A variable of more elements may be updated a chunk at a time...
 CHUNKED_ABOVE = 2 * CHUNK_ELEMENTS
+# ... if it has this many times the elements of the next largest.
+DOMINANCE = 2
 # The codes whose chunked update was measured to run at the whole one's
 # step time (see the module docstring).
 CHUNKED_BITS = (8,)
@@ -78,8 +85,9 @@ def stand_ins_of(wrapper, variable, grad):
         variable: One of its model variables.
         grad: Its gradient.
     """
-    size = block_codes.element_count(variable.shape)
-    if size <= CHUNKED_ABOVE or variable.constraint is not None:
+    if id(variable) != _dominant_variable(wrapper):
+        return None
+    if variable.constraint is not None:
         return None
     if not _elementwise(wrapper.inner_optimizer):
         return None
@@ -233,6 +241,28 @@ class _Piece:
     def rows(self, elements):
         """Rows that `elements` elements from a row's first take."""
         return -(-elements // self.per_row)
+
+
+def _dominant_variable(wrapper):
+    """The `id` of the variable whose update may run a chunk at a time:
+    the largest, if it has more than `CHUNKED_ABOVE` elements and
+    `DOMINANCE` times the next largest's; else None."""
+    targets = wrapper._targets
+    if targets.chunked_variable is NOT_COMPUTED:
+        sizes = sorted(
+            (
+                (block_codes.element_count(target.shape), id(target))
+                for target in (getattr(t, "weight", t) for t in targets.order)
+            ),
+            reverse=True,
+        )
+        chosen = None
+        if sizes and sizes[0][0] > CHUNKED_ABOVE:
+            runner_up = sizes[1][0] if len(sizes) > 1 else 0
+            if sizes[0][0] >= DOMINANCE * runner_up:
+                chosen = sizes[0][1]
+        targets.chunked_variable = chosen
+    return targets.chunked_variable
 
 
 def _elementwise(inner):

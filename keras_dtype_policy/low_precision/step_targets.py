@@ -24,6 +24,9 @@ class StepTargets:
             step to step (None until the first torch step).
         coded_adam_space: The torch Adam kernel's staging space, by
             `(name, dtype)`.
+        chunked_variable: The `id` of the one variable whose update may
+            run a chunk at a time (`chunked_updates`), or None;
+            `NOT_COMPUTED` until first asked.
     """
 
     views: dict = dataclasses.field(default_factory=dict)
@@ -34,6 +37,7 @@ class StepTargets:
     slots_by_variable: object = NOT_COMPUTED
     torch_arena: object = None
     coded_adam_space: dict = dataclasses.field(default_factory=dict)
+    chunked_variable: object = NOT_COMPUTED
 
 
 @dataclasses.dataclass

@@ -186,3 +186,28 @@ def test_eager_apply_runs_whole(small_chunks):
     optimizer.apply([keras.ops.ones((71, 69), "bfloat16")], [weight])
     assert not small_chunks
     assert np.all(np.isfinite(np.asarray(weight.numpy(), "float32")))
+
+
+@pytest.mark.skipif(not JAX, reason="chunked updates run on JAX only")
+def test_only_a_dominant_variable_is_chunked(small_chunks):
+    """Two kernels of 4,899 and 4,761 elements: neither has twice the
+    other's, and each chunked update's loop keeps a copy of its variable
+    to the end of the step, so both run whole."""
+    keras.utils.clear_session()
+    with kdp.policy_scope("bfloat16"):
+        model = keras.Sequential(
+            [
+                keras.Input((71,)),
+                keras.layers.Dense(69),
+                keras.layers.Dense(69),
+            ]
+        )
+    model.compile(
+        optimizer=kdp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-3), "stochastic_rounding", "8bit"
+        ),
+        loss="mean_squared_error",
+    )
+    x = np.ones((16, 71), "float32")
+    model.fit(x, np.ones((16, 69), "float32"), verbose=0)
+    assert not small_chunks
