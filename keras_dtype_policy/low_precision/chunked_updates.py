@@ -23,7 +23,10 @@ the update (`random_bits.ChunkKeys`), each element's bits from its index
 in the whole variable. The chunked update equals the whole one bit for
 bit where XLA compiles the same arithmetic the same way in the loop (the
 tests: Adam, AdamW, Adamax, Nadam, Lion, SGD, RMSprop, Adagrad);
-Adadelta's differs by float32 rounding. Its temporaries are 8 bytes an
+Adadelta's differs by float32 rounding; and where XLA's excess
+precision (on by default) lets the whole update read a gradient in
+float32 before its rounding to bfloat16, the chunked update reads the
+bfloat16 gradient. Its temporaries are 8 bytes an
 element (10 with compensation): the gradient's 4 and one copy of the
 weight and codes, which XLA makes because a loop cannot update a donated
 argument in place, and which lives to the end of the step. That copy is
