@@ -1,46 +1,46 @@
-"""One large variable's update with 8-bit state, a chunk at a time (JAX).
+"""One large variable's update with coded state, a chunk at a time (JAX).
 
 XLA computes a variable's update with coded state as one piece: the
 dequantized moments, their new values (read twice: for each block's
-largest magnitude, then to code them) and the random bits are
-whole-variable float32 temporaries. In XLA's buffer assignment of the
-JAX step, one embedding's update with 8-bit state holds 14 bytes an
-element of temporaries (18 with Kahan compensation) against the 4 of its
-float32 gradient. Variables are updated one after another, so the cost
-is set by the largest one: an LLM's embedding table, or one projection
-of tens of millions of elements.
+largest magnitude, then to code them) and the random bits are whole-
+variable float32 temporaries. In XLA's buffer assignment of the JAX
+step, one embedding's update with 8-bit state holds 14 bytes an element
+of temporaries (18 with Kahan compensation, 13 with 4-bit state) against
+the 4 of its float32 gradient. Variables are updated one after another,
+so the cost is set by the largest one: an LLM's embedding table, or one
+projection of tens of millions of elements.
 
 The largest variable, if it has more than `CHUNKED_ABOVE` elements,
-`DOMINANCE` times the next largest's, 8-bit codes in every slot and an
-inner optimizer of `ELEMENTWISE_OPTIMIZERS`, is updated by
+`DOMINANCE` times the next largest's, codes in every slot and an inner
+optimizer of `ELEMENTWISE_OPTIMIZERS`, is updated by
 `keras.ops.fori_loop`s over chunks of `CHUNK_ELEMENTS` elements (whole
 blocks): the loop body slices the weight, its compensation and each
-slot's codes and scales, runs the same update on the slices (the
-stand-ins stand for the chunk, see `stand_ins.ChunkState`) and puts the
-new slices back into the loop's carry. The random bits are those of the
+slot's codes and scales, runs the same update on the slices (the stand-
+ins stand for the chunk, see `stand_ins.ChunkState`) and puts the new
+slices back into the loop's carry. The random bits are those of the
 whole update: each draw's key comes from the generator's state before
 the update (`random_bits.ChunkKeys`), each element's bits from its index
 in the whole variable. The chunked update equals the whole one bit for
 bit where XLA compiles the same arithmetic the same way in the loop (the
 tests: Adam, AdamW, Adamax, Nadam, Lion, SGD, RMSprop, Adagrad);
-Adadelta's differs by float32 rounding; and where XLA's excess
-precision (on by default) lets the whole update read a gradient in
-float32 before its rounding to bfloat16, the chunked update reads the
-bfloat16 gradient. Its temporaries are 8 bytes an
-element (10 with compensation): the gradient's 4 and one copy of the
-weight and codes, which XLA makes because a loop cannot update a donated
-argument in place, and which lives to the end of the step. That copy is
-why only one dominant variable (an embedding table) is chunked: chunking
-every variable of a Dense stack raised the step's temporaries from 2 to
-6 bytes a parameter, where the whole updates' own temporaries, one
-variable at a time, do not grow with the model.
+Adadelta's differs by float32 rounding; and where XLA's excess precision
+(on by default) lets the whole update read a gradient in float32 before
+its rounding to bfloat16, the chunked update reads the bfloat16
+gradient. Its temporaries are 8 bytes an element with 8-bit codes (10
+with compensation, 7 with 4-bit codes): the gradient's 4 and one copy of
+the weight and codes, which XLA makes because a loop cannot update a
+donated argument in place, and which lives to the end of the step. That
+copy is why only one dominant variable (an embedding table) is chunked:
+chunking every variable of a Dense stack raised the step's temporaries
+from 2 to 6 bytes a parameter, where the whole updates' own temporaries,
+one variable at a time, do not grow with the model.
 
 Only on JAX inside `jax.jit` (as `fit` runs it), without a
 `keras.distribution` (a dynamic slice of a sharded array would gather
 it). Not measured worth it elsewhere (docs/low-precision-training.md):
-the 4-bit codes' loop runs 2.1 times slower than their whole update on
-a CPU, TensorFlow's 1.8 times; an eager JAX update runs op by op, its own
-memory freed as it goes; PyTorch runs its own batched step.
+TensorFlow's loop ran 1.8 times slower than its whole update; an eager
+JAX update runs op by op, its own memory freed as it goes; PyTorch runs
+its own batched step.
 """
 
 import keras
@@ -61,8 +61,9 @@ CHUNKED_ABOVE = 2 * CHUNK_ELEMENTS
 # ... if it has this many times the elements of the next largest.
 DOMINANCE = 2
 # The codes whose chunked update was measured to run at the whole one's
-# step time (see the module docstring).
-CHUNKED_BITS = (8,)
+# step time or faster (8-bit: 1.03x and 0.85x on an embedding, 4-bit:
+# 1.06x and 0.84x, stochastic rounding and Kahan).
+CHUNKED_BITS = (8, 4)
 # Keras' optimizers whose `update_step` treats every element on its own
 # and updates the slots without reading the weight (Ftrl's `linear` reads
 # it: not here).

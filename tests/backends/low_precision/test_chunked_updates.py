@@ -5,7 +5,7 @@ variable above `CHUNKED_ABOVE` elements in loops over chunks; the
 results must be those of the whole update (bit for bit where XLA
 compiles the arithmetic the same way, float32 rounding for Adadelta), and
 the step's temporaries must stop growing with the variable's state.
-Elsewhere (TensorFlow, PyTorch, 4-bit codes, eager JAX) the update runs
+Elsewhere (TensorFlow, PyTorch, eager JAX) the update runs
 whole: the tests say so per backend. The thresholds are made small here
 (chunks of 1024 elements) so that a 4,899-element kernel takes four
 chunks and a tail of 803 elements that ends in a padded block.
@@ -33,9 +33,11 @@ EXACT = {
 # The other optimizers run in `tox -e full-jax` (marked slow).
 DEFAULT_RUNS = ("adam", "adamw")
 SETTINGS = {
-    "stochastic": ("bfloat16", "stochastic_rounding"),
-    "kahan": ("bfloat16", "kahan"),
-    "float32_weights": ("float32", "nearest"),
+    "stochastic": ("bfloat16", "stochastic_rounding", "8bit"),
+    "kahan": ("bfloat16", "kahan", "8bit"),
+    "float32_weights": ("float32", "nearest", "8bit"),
+    "stochastic_4bit": ("bfloat16", "stochastic_rounding", "4bit"),
+    "kahan_4bit": ("bfloat16", "kahan", "4bit"),
 }
 
 
@@ -88,13 +90,15 @@ def values(model, optimizer):
     ]
 
 
-def whole_and_chunked(monkeypatch, traced, make_optimizer, policy, update):
+def whole_and_chunked(
+    monkeypatch, traced, make_optimizer, policy, update, state_dtype="8bit"
+):
     """The values after the whole updates and after chunked ones."""
     monkeypatch.setattr(chunked_updates, "CHUNKED_ABOVE", 2**40)
-    whole = values(*train(make_optimizer, policy, update))
+    whole = values(*train(make_optimizer, policy, update, state_dtype))
     assert not traced
     monkeypatch.setattr(chunked_updates, "CHUNKED_ABOVE", 2048)
-    chunked = values(*train(make_optimizer, policy, update))
+    chunked = values(*train(make_optimizer, policy, update, state_dtype))
     assert traced == ["sequential/dense/kernel"]
     return whole, chunked
 
@@ -113,9 +117,9 @@ def optimizer_cases():
 def test_chunked_update_equals_the_whole_one(
     monkeypatch, small_chunks, name, setting
 ):
-    policy, update = SETTINGS[setting]
+    policy, update, state_dtype = SETTINGS[setting]
     whole, chunked = whole_and_chunked(
-        monkeypatch, small_chunks, EXACT[name], policy, update
+        monkeypatch, small_chunks, EXACT[name], policy, update, state_dtype
     )
     assert len(whole) == len(chunked)
     for before, after in zip(whole, chunked, strict=True):
@@ -165,16 +169,14 @@ def test_chunked_training_resumes_exactly(small_chunks, tmp_path):
     [("adam", "8bit"), ("adam", "4bit"), ("ftrl", "8bit")],
 )
 def test_where_updates_run_whole(small_chunks, optimizer, state_dtype):
-    """Chunks on JAX with 8-bit codes only: TensorFlow's loop and the
-    4-bit codes' run slower than the whole update (chunked_updates'
-    docstring), PyTorch has its own step, Ftrl's slots read the weight.
-    The update runs whole there, with the same results as before."""
+    """Chunks on JAX only: TensorFlow's loop ran slower than its whole
+    update (chunked_updates' docstring) and PyTorch has its own step;
+    Ftrl's slots read the weight. The update runs whole there."""
     make = EXACT["adam"]
     if optimizer == "ftrl":
         make = lambda: keras.optimizers.Ftrl(1e-2)  # noqa: E731
     train(make, "bfloat16", "stochastic_rounding", state_dtype=state_dtype)
-    expected = JAX and (optimizer, state_dtype) == ("adam", "8bit")
-    assert bool(small_chunks) == expected
+    assert bool(small_chunks) == (JAX and optimizer == "adam")
 
 
 @pytest.mark.skipif(not JAX, reason="chunked updates run on JAX only")
