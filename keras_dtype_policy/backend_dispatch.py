@@ -36,6 +36,7 @@ _MODULES = {
     ),
     (TORCH, "kernels"): "keras_dtype_policy.low_precision.torch_kernels",
     (JAX, "gathering"): "keras_dtype_policy.low_precision.jax_gathering",
+    (JAX, "tracing"): "keras_dtype_policy.low_precision.jax_tracing",
 }
 
 

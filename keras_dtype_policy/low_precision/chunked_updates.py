@@ -47,7 +47,6 @@ import keras
 from keras import ops
 
 from keras_dtype_policy import backend_dispatch
-from keras_dtype_policy.loss_scaling import backend_utils
 from keras_dtype_policy.low_precision import block_codes
 from keras_dtype_policy.low_precision import random_bits
 from keras_dtype_policy.low_precision import slot_lists
@@ -130,38 +129,84 @@ def update(wrapper, stand_ins, grad, learning_rate, update_one):
         update_one: `update_one(grad, variable, target, learning_rate)`,
             the wrapper's update of one variable through its view.
     """
-    view, slots = stand_ins
-    pieces = [
-        _Piece(stand_in, name, _elements_per_row(stand_in))
-        for stand_in in (view, *slots)
-        for name in stand_in.storage()
-    ]
-    size = block_codes.element_count(view.stood_shape)
-    grad = ops.convert_to_tensor(grad)
-    grad_dtype = keras.backend.standardize_dtype(grad.dtype)
-    grad = _as_bits(ops.reshape(grad, (-1,)))
-    generator = wrapper.seed_generator
-    start_state = None
-    if generator is not None:
-        start_state = ops.convert_to_tensor(generator.state.value)
-    values = {
-        piece: _as_bits(_flat_rows(piece.variable().value, piece.per_row))
-        for piece in pieces
-    }
-    drawn = set()
+    looped = _LoopedUpdate(wrapper, stand_ins, grad)
+    view = stand_ins[0]
+    for written in (
+        [p for p in looped.pieces if p.stand_in is view],
+        [p for p in looped.pieces if p.stand_in is not view],
+    ):
+        looped.loop(
+            written, lambda g: update_one(g, view.weight, view, learning_rate)
+        )
+    looped.finish()
 
-    def run_chunk(first, chunk_size, written, carry):
-        """Updates elements `[first, first + chunk_size)`, and returns
-        `carry` (the storage of the pieces `written`) with their new
-        values put in."""
+
+class _LoopedUpdate:
+    """One variable's storage, gradient and random keys, while its
+    update runs in loops over chunks.
+
+    Args:
+        wrapper: The `LowPrecisionOptimizer`.
+        stand_ins: `(view, slots)` from `stand_ins_of`.
+        grad: The variable's gradient.
+    """
+
+    def __init__(self, wrapper, stand_ins, grad):
+        self.stand_ins = [stand_ins[0], *stand_ins[1]]
+        self.pieces = [
+            _Piece(stand_in, name, _elements_per_row(stand_in))
+            for stand_in in self.stand_ins
+            for name in stand_in.storage()
+        ]
+        self.size = block_codes.element_count(stand_ins[0].stood_shape)
+        grad = ops.convert_to_tensor(grad)
+        self.grad_dtype = keras.backend.standardize_dtype(grad.dtype)
+        self.grad = _as_bits(ops.reshape(grad, (-1,)))
+        self.generator = wrapper.seed_generator
+        self.start_state = None
+        if self.generator is not None:
+            state = self.generator.state.value
+            self.start_state = ops.convert_to_tensor(state)
+        self.values = {
+            piece: _as_bits(_flat_rows(piece.variable().value, piece.per_row))
+            for piece in self.pieces
+        }
+        self.drawn = set()
+
+    def loop(self, written, update_chunk):
+        """Runs `update_chunk(grad)` on every chunk, keeping the new
+        values of the pieces `written`."""
+        chunks, tail = divmod(self.size, CHUNK_ELEMENTS)
+        carry = ops.fori_loop(
+            0,
+            chunks,
+            lambda index, carry: self.run_chunk(
+                ops.multiply(ops.cast(index, "int32"), CHUNK_ELEMENTS),
+                CHUNK_ELEMENTS,
+                written,
+                list(carry),
+                update_chunk,
+            ),
+            [self.values[p] for p in written],
+        )
+        if tail:
+            first = chunks * CHUNK_ELEMENTS
+            carry = self.run_chunk(
+                first, tail, written, list(carry), update_chunk
+            )
+        self.values.update(zip(written, carry, strict=True))
+
+    def run_chunk(self, first, chunk_size, written, carry, update_chunk):
+        """Updates elements `[first, first + chunk_size)`; returns `carry`
+        (the storage of the pieces `written`) with their new values."""
         keys = None
-        if start_state is not None:
-            keys = random_bits.ChunkKeys(start_state, first)
-        current = dict(values)
+        if self.start_state is not None:
+            keys = random_bits.ChunkKeys(self.start_state, first)
+        current = dict(self.values)
         current.update(zip(written, carry, strict=True))
-        for stand_in in (view, *slots):
+        for stand_in in self.stand_ins:
             stand_in.chunk = ChunkState(chunk_size, {}, keys)
-        for piece in pieces:
+        for piece in self.pieces:
             rows = _rows(
                 current[piece], piece.row(first), piece.rows(chunk_size)
             )
@@ -169,54 +214,35 @@ def update(wrapper, stand_ins, grad, learning_rate, update_one):
                 rows, piece.variable().dtype
             )
         try:
-            piece_grad = _from_bits(
-                ops.slice(grad, [first], [chunk_size]), grad_dtype
-            )
-            update_one(piece_grad, view.weight, view, learning_rate)
+            grad = ops.slice(self.grad, [first], [chunk_size])
+            update_chunk(_from_bits(grad, self.grad_dtype))
             new = [_as_bits(p.stand_in.chunk.stored[p.name]) for p in written]
         finally:
-            for stand_in in (view, *slots):
+            for stand_in in self.stand_ins:
                 stand_in.chunk = None
                 stand_in.working = None
-        drawn.add(0 if keys is None else keys.drawn)
+        self.drawn.add(0 if keys is None else keys.drawn)
         return [
             _put_rows(whole, piece.row(first), value)
             for piece, whole, value in zip(written, carry, new, strict=True)
         ]
 
-    chunks, tail = divmod(size, CHUNK_ELEMENTS)
-    for written in (
-        [p for p in pieces if p.stand_in is view],
-        [p for p in pieces if p.stand_in is not view],
-    ):
-        carry = ops.fori_loop(
-            0,
-            chunks,
-            lambda index, carry, written=written: run_chunk(
-                ops.multiply(ops.cast(index, "int32"), CHUNK_ELEMENTS),
-                CHUNK_ELEMENTS,
-                written,
-                list(carry),
-            ),
-            [values[p] for p in written],
-        )
-        if tail:
-            first = chunks * CHUNK_ELEMENTS
-            carry = run_chunk(first, tail, written, list(carry))
-        values.update(zip(written, carry, strict=True))
-    for piece in pieces:
-        variable = piece.variable()
-        value = _from_bits(values[piece], variable.dtype)
-        variable.assign(ops.reshape(value, variable.shape))
-    if len(drawn) != 1:
-        raise RuntimeError(
-            "A chunked update drew a different number of random keys in "
-            f"different chunks: {sorted(drawn)}."
-        )
-    if generator is not None:
-        generator.state.assign(
-            random_bits.advanced_state(start_state, drawn.pop())
-        )
+    def finish(self):
+        """Assigns the new values, and advances the generator by the
+        keys each chunk drew."""
+        for piece in self.pieces:
+            variable = piece.variable()
+            value = _from_bits(self.values[piece], variable.dtype)
+            variable.assign(ops.reshape(value, variable.shape))
+        if len(self.drawn) != 1:
+            raise RuntimeError(
+                "A chunked update drew a different number of random keys "
+                f"in different chunks: {sorted(self.drawn)}."
+            )
+        if self.generator is not None:
+            self.generator.state.assign(
+                random_bits.advanced_state(self.start_state, self.drawn.pop())
+            )
 
 
 class _Piece:
@@ -279,7 +305,9 @@ def _loops_in_place(grad):
     """True where a `fori_loop` over a variable's chunks updates its carry
     in place and the whole update would be one XLA computation too (see
     the module docstring)."""
-    if not backend_dispatch.is_jax() or backend_utils.is_concrete(grad):
+    if not backend_dispatch.is_jax():
+        return False
+    if not backend_dispatch.module_for("tracing").is_traced(grad):
         return False
     return keras.distribution.distribution() is None
 

@@ -213,3 +213,46 @@ def test_only_a_dominant_variable_is_chunked(small_chunks):
     x = np.ones((16, 71), "float32")
     model.fit(x, np.ones((16, 69), "float32"), verbose=0)
     assert not small_chunks
+
+
+@pytest.mark.skipif(not JAX, reason="chunked updates run on JAX only")
+@pytest.mark.parametrize(
+    "policy", ["kahan_float16_8bit", "stochastic_float16_4bit"]
+)
+def test_loss_scaled_chunked_update_equals_the_whole_one(
+    monkeypatch, small_chunks, policy
+):
+    """float16 weights under the compile hook's `LossScaleOptimizer`,
+    one batch of non-finite gradients skipped: the same weights, state
+    and loss scale bit for bit, all finite."""
+
+    def trained():
+        keras.utils.clear_session()
+        keras.utils.set_random_seed(1)
+        with kdp.policy_scope(policy):
+            model = keras.Sequential(
+                [
+                    keras.Input((71,)),
+                    keras.layers.Dense(69),
+                    keras.layers.Dense(1),
+                ]
+            )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2), loss="mean_squared_error"
+        )
+        rng = np.random.RandomState(0)
+        x = rng.randn(64, 71).astype("float32")
+        x[20] = np.inf
+        y = rng.randn(64, 1).astype("float32")
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+        return values(model, model.optimizer)
+
+    monkeypatch.setattr(chunked_updates, "CHUNKED_ABOVE", 2**40)
+    whole = trained()
+    assert not small_chunks
+    monkeypatch.setattr(chunked_updates, "CHUNKED_ABOVE", 2048)
+    chunked = trained()
+    assert small_chunks
+    for before, after in zip(whole, chunked, strict=True):
+        np.testing.assert_array_equal(after, before)
+    assert all(np.all(np.isfinite(value)) for value in chunked[:4])

@@ -50,8 +50,6 @@ QUANTIZED = {
 
 def step_bytes(policy, arguments, depth, adam=None):
     """(parameters, XLA's memory analysis) of the step `fit` compiles."""
-    import jax
-
     with kdp.policy_scope(policy):
         model = keras.Sequential(
             [keras.Input((WIDTH,))]
@@ -62,19 +60,23 @@ def step_bytes(policy, arguments, depth, adam=None):
         optimizer = kdp.LowPrecisionOptimizer(optimizer, **arguments)
     model.compile(optimizer=optimizer, loss="mean_squared_error")
     batch = np.ones((8, WIDTH), "float32")
-    model.train_on_batch(batch, batch)
+    return model.count_params(), compiled_memory(model, batch, batch)
+
+
+def compiled_memory(model, x, y):
+    """XLA's memory analysis of the step `fit` compiles for `model`
+    (compiled, trained one step on `(x, y)` to build its optimizer)."""
+    import jax
+
+    model.train_on_batch(x, y)
     state = model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,
         optimizer_variables=True,
         metrics_variables=True,
     )
-    compiled = (
-        jax.jit(model.train_step, donate_argnums=0)
-        .lower(state, (batch, batch))
-        .compile()
-    )
-    return model.count_params(), compiled.memory_analysis()
+    step = jax.jit(model.train_step, donate_argnums=0)
+    return step.lower(state, (x, y)).compile().memory_analysis()
 
 
 def bytes_a_parameter(policy, arguments, adam=None, depths=(2, 4)):
@@ -166,8 +168,6 @@ def test_jax_step_frees_each_gradient_after_its_update():
 
 def embedding_step_temporaries(policy, arguments, rows):
     """XLA's temporary bytes of the step over one 256-wide embedding."""
-    import jax
-
     keras.utils.clear_session()
     with kdp.policy_scope(policy):
         tokens = keras.Input((1,), dtype="int32")
@@ -180,19 +180,7 @@ def embedding_step_temporaries(policy, arguments, rows):
     model.compile(optimizer=optimizer, loss="mean_squared_error")
     x = (np.arange(8) * 997 % rows).reshape(8, 1).astype("int32")
     y = np.ones((8, 1), "float32")
-    model.train_on_batch(x, y)
-    state = model._get_jax_state(
-        trainable_variables=True,
-        non_trainable_variables=True,
-        optimizer_variables=True,
-        metrics_variables=True,
-    )
-    compiled = (
-        jax.jit(model.train_step, donate_argnums=0)
-        .lower(state, (x, y))
-        .compile()
-    )
-    return compiled.memory_analysis().temp_size_in_bytes
+    return compiled_memory(model, x, y).temp_size_in_bytes
 
 
 # The chunked update's temporaries an element: the float32 gradient's 4
