@@ -247,7 +247,8 @@ KERAS_INTERNALS = (
     _internal(
         _VARIABLE,
         "_value",
-        f"{_LP}.torch_arena {_LP}.torch_coded_adam {_LP}.torch_step",
+        f"{_LP}.torch_arena {_LP}.torch_coded_adam {_LP}.torch_sharding "
+        f"{_LP}.torch_step",
         "A variable's backend tensor, updated in place by the torch steps.",
         on_instances=True,
     ),
@@ -293,9 +294,35 @@ KERAS_INTERNALS = (
     _internal(
         _VARIABLE,
         "_layout",
-        f"{_LP}.float32_views {_LP}.optimizer {_LP}.state_sharding",
+        f"{_LP}.float32_views {_LP}.optimizer {_LP}.state_sharding "
+        f"{_LP}.torch_sharding",
         "A variable's distribution layout, copied to views and sharded.",
         on_instances=True,
+    ),
+    # Keras' torch distribution API (its development builds, 3.16).
+    _internal(
+        "keras.src.backend.torch.ops.core.Variable",
+        "_initialize",
+        f"{_LP}.torch_sharding",
+        "Lays a torch variable's value out anew (assign keeps its layout).",
+        backend="torch",
+        releases=((3, 16), (3, 17)),
+    ),
+    _internal(
+        "keras.src.backend.torch.ops.core",
+        "KerasDTensorPromotionMode",
+        f"{_LP}.torch_sharding",
+        "Promotes plain tensors meeting split state to replicated DTensors.",
+        backend="torch",
+        releases=((3, 16), (3, 17)),
+    ),
+    _internal(
+        "keras.src.backend.torch.distribution_lib",
+        "DTensorLayout",
+        f"{_LP}.torch_sharding",
+        "The torch layout Keras keeps on a distributed variable.",
+        backend="torch",
+        releases=((3, 16), (3, 17)),
     ),
     _internal(
         "keras.src.optimizers.multi_optimizer.MultiOptimizer",

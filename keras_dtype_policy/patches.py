@@ -240,7 +240,8 @@ INSTANCE_PATCHES = (
         "Lay the optimizer state made later out split along the "
         "data-parallel axis (ZeRO stage 1), never whole on any device, "
         "and save it whole: gathered from every process where it is split "
-        "across processes, which Keras' own save_own_variables cannot read.",
+        "across processes, which Keras' own save_own_variables cannot read; "
+        "on torch, run apply in Keras' DTensor promotion mode.",
     ),
 )
 

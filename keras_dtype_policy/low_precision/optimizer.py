@@ -84,6 +84,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     0.9
     """
 
+    # Its torch step runs batched kernels on whole tensors, which state
+    # split across torch processes (DTensors) is not.
+    splits_state_on_torch = False
+
     inner_optimizer: keras.optimizers.Optimizer
     # Set by Keras' `Optimizer`: True once `build` ran.
     built: bool

@@ -29,8 +29,9 @@ import keras
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import multi_optimizers
 
-# The methods `shard_optimizer_state` sets on optimizer instances.
-SHARDING_METHODS = ("add_variable", "save_own_variables")
+# The methods `shard_optimizer_state` sets on optimizer instances
+# (`apply` on torch only).
+SHARDING_METHODS = ("add_variable", "save_own_variables", "apply")
 _sharding: weakref.WeakSet = weakref.WeakSet()
 
 _ELSEWHERE = {
@@ -40,27 +41,21 @@ _ELSEWHERE = {
         "parameter servers (ParameterServerStrategy)"
     ),
     backend_dispatch.TORCH: (
-        "Keras' torch backend has no distribution API; in a "
-        "torch.distributed loop, shard the state with torch's own tools "
-        "(FSDP, or ZeroRedundancyOptimizer for a torch optimizer)"
+        "Keras {version}'s torch backend has no distribution API (Keras' "
+        "development builds, keras-nightly, add one, which the switch "
+        "supports); in a torch.distributed loop, shard the state with "
+        "torch's own tools (FSDP, or ZeroRedundancyOptimizer for a torch "
+        "optimizer)"
     ),
 }
-# Where Keras' torch backend has `keras.distribution` (keras-nightly
-# 3.16.0.dev2026102704: DataParallel through DistributedDataParallel,
-# ModelParallel through DTensor layouts).
-_TORCH_DISTRIBUTION = (
-    "Keras {version}'s torch backend has a distribution API "
-    "(DataParallel through DistributedDataParallel, ModelParallel through "
-    "DTensor layouts), which the switch does not support yet: under it "
-    "each process keeps the whole optimizer state, as Keras alone does"
-)
 
 
-def _elsewhere(backend):
-    """What `backend` (not JAX) offers instead, for the refusal."""
-    if backend == backend_dispatch.TORCH and torch_has_distribution():
-        return _TORCH_DISTRIBUTION.format(version=keras.__version__)
-    return _ELSEWHERE.get(backend, "")
+def _supports(backend):
+    """True where the switch can split state on `backend`: JAX, and torch
+    where Keras' torch backend has `keras.distribution`."""
+    if backend == backend_dispatch.JAX:
+        return True
+    return backend == backend_dispatch.TORCH and torch_has_distribution()
 
 
 def torch_has_distribution():
@@ -79,7 +74,8 @@ def shard_optimizer_state(
 ) -> keras.optimizers.Optimizer:
     """Splits an optimizer's state across the data-parallel devices.
 
-    ZeRO stage 1 on `keras.distribution` (JAX): each state variable (the
+    ZeRO stage 1 on `keras.distribution` (JAX, and torch where Keras'
+    torch backend has it: keras-nightly): each state variable (the
     slots of the inner Keras optimizer, a `LowPrecisionOptimizer`'s
     compensation buffers and 8-bit codes and scales) is laid out split
     along the distribution's data axis, on top of its weight's own layout.
@@ -94,7 +90,9 @@ def shard_optimizer_state(
         The optimizer, for `model.compile(shard_optimizer_state(...))`.
 
     Raises:
-        NotImplementedError: On TensorFlow and torch, naming what they have.
+        NotImplementedError: On TensorFlow and on a Keras release's torch
+            backend, naming what they have; on torch, for a
+            `LowPrecisionOptimizer`.
         ValueError: If no `keras.distribution` is set.
         TypeError: If `optimizer` is not a Keras optimizer.
 
@@ -112,13 +110,7 @@ def shard_optimizer_state(
             f"Received: optimizer={optimizer!r} (of type "
             f"{type(optimizer).__name__})"
         )
-    backend = backend_dispatch.name()
-    if not backend_dispatch.is_jax():
-        raise NotImplementedError(
-            "shard_optimizer_state works on the JAX backend's "
-            f"keras.distribution only. {_elsewhere(backend)}. "
-            f"Received: optimizer={optimizer.name!r} on backend={backend!r}"
-        )
+    _refuse_backend(optimizer)
     distribution = keras.distribution.distribution()
     if distribution is None:
         raise ValueError(
@@ -156,6 +148,9 @@ def sharded_layout(shape, layout, distribution):
     Returns:
         A `TensorLayout`, or `layout` itself where no dimension can split.
     """
+    torch_sharding = _torch_sharding()
+    if torch_sharding is not None:
+        layout = torch_sharding.keras_layout(shape, layout, distribution)
     if layout is not None and not isinstance(
         layout, keras.distribution.TensorLayout
     ):
@@ -207,6 +202,8 @@ def _shard(optimizer, distribution):
             member.save_own_variables = types.MethodType(
                 _save_own_variables, member
             )
+            if backend_dispatch.is_torch():
+                member.apply = types.MethodType(_promoted_apply, member)
             _sharding.add(member)
         if member.built:
             for variable in _state_of(member):
@@ -214,9 +211,67 @@ def _shard(optimizer, distribution):
                     variable.shape, variable._layout, distribution
                 )
                 if layout is not variable._layout:
-                    value = variable.value
-                    variable._layout = layout
-                    variable.assign(value)
+                    _relayout(variable, layout)
+
+
+def _relayout(variable, layout):
+    """Moves a built state variable to `layout`."""
+    torch_sharding = _torch_sharding()
+    if torch_sharding is not None:
+        torch_sharding.relayout(variable, layout)
+        return
+    value = variable.value
+    variable._layout = layout
+    variable.assign(value)
+
+
+def _promoted_apply(self, grads, trainable_variables=None):
+    """Keras' `apply` in its torch DTensor promotion mode: the plain
+    gradients and weights that meet split state become replicated
+    DTensors (see `torch_sharding`)."""
+    return _torch_sharding().promoted(
+        type(self).apply, self, grads, trainable_variables
+    )
+
+
+def _refuse_backend(optimizer):
+    """Raises where `optimizer`'s state cannot split on this backend."""
+    backend = backend_dispatch.name()
+    if not _supports(backend):
+        elsewhere = _ELSEWHERE[backend].format(version=keras.__version__)
+        raise NotImplementedError(
+            "shard_optimizer_state works on keras.distribution: JAX, and "
+            f"torch on Keras' development builds. {elsewhere}. "
+            f"Received: optimizer={optimizer.name!r} on backend={backend!r}"
+        )
+    if backend_dispatch.is_torch():
+        _refuse_unsplit(optimizer)
+
+
+def _torch_sharding():
+    """`torch_sharding` where Keras' torch backend has a distribution
+    API (the module reads its internals), else None."""
+    if backend_dispatch.is_torch() and torch_has_distribution():
+        return backend_dispatch.module_for("sharding")
+    return None
+
+
+def _refuse_unsplit(optimizer):
+    """Raises for an optimizer in `optimizer`'s chain whose torch step
+    cannot run on split state."""
+    for member in _chain(optimizer):
+        # The package's optimizers whose torch step runs batched kernels
+        # on whole tensors say so (LowPrecisionOptimizer).
+        if not getattr(member, "splits_state_on_torch", True):
+            raise NotImplementedError(
+                "shard_optimizer_state cannot split a LowPrecisionOptimizer's "
+                "state on torch: its step runs batched torch kernels on "
+                "whole tensors. Split the state of a Keras optimizer (under "
+                "a mixed policy, wrapped by this package's "
+                "LossScaleOptimizer or not), or use the JAX backend. "
+                f"Received: optimizer={optimizer.name!r} holding "
+                f"{member.name!r} of type {type(member).__name__}"
+            )
 
 
 def _add_variable(

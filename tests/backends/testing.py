@@ -8,8 +8,10 @@ import os
 import pathlib
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import warnings
 import zipfile
 
@@ -462,3 +464,50 @@ def made_once(tmp_path_factory, name, make):
             make(folder)
             done.touch()
     return folder
+
+
+def free_port():
+    """Returns a loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_all(worker, commands, work_dir, timeout):
+    """Runs `python worker *args` for each `(name, args)` of `commands`
+    at once (`KERAS_BACKEND=torch`, logs in `work_dir/name.log`); returns
+    what failed.
+
+    Once one process fails, or after `timeout` seconds, the others
+    are killed: the ranks and the loader wait for one another.
+    """
+    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+    processes = {}
+    for name, args in commands:
+        with open(work_dir / f"{name}.log", "w") as log:
+            processes[name] = subprocess.Popen(
+                [sys.executable, str(worker), *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    deadline = time.monotonic() + timeout
+    failed = set()
+    while not failed and time.monotonic() < deadline:
+        codes = [p.poll() for p in processes.values()]
+        failed = {n for n, p in processes.items() if p.returncode}
+        if all(code is not None for code in codes):
+            break
+        time.sleep(0.2)
+    killed = []
+    for name, process in processes.items():
+        if process.poll() is None:
+            process.kill()
+            killed.append(name)
+        process.wait()
+    return [
+        f"{name} exited {process.returncode}:\n"
+        + (work_dir / f"{name}.log").read_text()[-3000:]
+        for name, process in processes.items()
+        if process.returncode and name not in killed
+    ] + [f"killed: {name}" for name in killed]

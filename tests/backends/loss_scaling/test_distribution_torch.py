@@ -10,15 +10,11 @@ training on the same global batches (`torch_distribution_worker.py`).
 """
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
+import testing
 from testing import BACKEND
 from testing import FINITE
 from testing import NAN
@@ -53,69 +49,26 @@ SYNCS = ("ddp", "all_reduce")
 TOLERANCE = {"float32": 1e-5, "mixed_float16": 2e-3, "mixed_bfloat16": 6e-2}
 
 
-def free_port():
-    """Returns a loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_all(commands, work_dir):
-    """Runs the worker commands at once; returns what failed.
-
-    Once one process fails, or after `PROCESS_TIMEOUT` seconds, the others
-    are killed: the ranks and the loader wait for one another.
-    """
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
-    processes = {}
-    for name, args in commands:
-        with open(work_dir / f"{name}.log", "w") as log:
-            processes[name] = subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-    deadline = time.monotonic() + PROCESS_TIMEOUT
-    failed = set()
-    while not failed and time.monotonic() < deadline:
-        codes = [p.poll() for p in processes.values()]
-        failed = {n for n, p in processes.items() if p.returncode}
-        if all(code is not None for code in codes):
-            break
-        time.sleep(0.2)
-    killed = []
-    for name, process in processes.items():
-        if process.poll() is None:
-            process.kill()
-            killed.append(name)
-        process.wait()
-    return [
-        f"{name} exited {process.returncode}:\n"
-        + (work_dir / f"{name}.log").read_text()[-3000:]
-        for name, process in processes.items()
-        if process.returncode and name not in killed
-    ] + [f"killed: {name}" for name in killed]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Trains every configuration in one process and on two ranks, and
     loads what the ranks saved in a fourth process, all at once."""
     for _ in range(3):  # another process may take the port first
         work_dir = tmp_path_factory.mktemp("torch_distribution")
-        port = str(free_port())
+        port = str(testing.free_port())
         ranks = [
             (f"rank{r}", ["rank", str(r), str(WORLD_SIZE), port, str(work_dir)])
             for r in range(WORLD_SIZE)
         ]
-        failures = run_all(
+        failures = testing.run_all(
+            WORKER,
             [
                 ("single", ["single", str(work_dir)]),
                 *ranks,
                 ("load", ["load", str(WORLD_SIZE), str(work_dir)]),
             ],
             work_dir,
+            PROCESS_TIMEOUT,
         )
         if not any("address already in use" in f.lower() for f in failures):
             break

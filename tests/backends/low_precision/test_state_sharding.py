@@ -149,8 +149,11 @@ def test_model_parallel_slots_split_along_both_axes(findings):
 @jax_only
 def test_uninstall_takes_the_methods_off(findings):
     found = findings["uninstall"]
-    methods = ["add_variable", "save_own_variables"]
-    assert found["before"] == dict.fromkeys(methods, True)
+    # `apply` is set on torch only (its DTensor promotion mode).
+    methods = ["add_variable", "save_own_variables", "apply"]
+    assert found["before"] == dict(
+        zip(methods, [True, True, False], strict=True)
+    )
     assert found["after"] == dict.fromkeys(methods, False)
     assert found["after_install"] == dict.fromkeys(methods, False)
     assert found["slot_spec"] == ["None", "None"]
@@ -171,8 +174,8 @@ def test_loss_scale_and_kahan_optimizers(tmp_path):
 @pytest.mark.skipif(BACKEND == "jax", reason="the other backends' answer")
 def test_other_backends_refuse_naming_what_they_have():
     # torch: Keras' releases have no distribution API there (FSDP is named
-    # instead); keras-nightly's torch backend has one, which is named.
-    torch_expected = "FSDP"
+    # instead); keras-nightly's torch backend has one, where the switch
+    # works (test_state_sharding_torch.py) and asks for a distribution.
     if BACKEND == "torch":
         has_module = importlib.util.find_spec(
             "keras.src.backend.torch.distribution_lib"
@@ -180,12 +183,30 @@ def test_other_backends_refuse_naming_what_they_have():
         assert state_sharding.torch_has_distribution() is (
             has_module is not None
         )
-    if BACKEND == "torch" and state_sharding.torch_has_distribution():
-        torch_expected = f"Keras {keras.__version__}'s torch backend has a"
-    expected = {"tensorflow": "tf.distribute", "torch": torch_expected}[BACKEND]
     optimizer = keras.optimizers.Adam()
-    with pytest.raises(NotImplementedError, match=expected):
-        kdp.shard_optimizer_state(optimizer)
+    if BACKEND == "torch" and state_sharding.torch_has_distribution():
+        keras.distribution.set_distribution(None)
+        with pytest.raises(ValueError, match="distribution=None"):
+            kdp.shard_optimizer_state(optimizer)
+    else:
+        expected = {"tensorflow": "tf.distribute", "torch": "FSDP"}[BACKEND]
+        with pytest.raises(NotImplementedError, match=expected):
+            kdp.shard_optimizer_state(optimizer)
+    assert not state_sharding.shards_state(optimizer)
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch" or not state_sharding.torch_has_distribution(),
+    reason="torch's answer where Keras' torch backend has keras.distribution",
+)
+def test_torch_refuses_a_low_precision_optimizer():
+    # Its torch step runs batched kernels on whole tensors.
+    optimizer = kdp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(), "stochastic_rounding", "8bit"
+    )
+    outer = kdp.LossScaleOptimizer(optimizer)
+    with pytest.raises(NotImplementedError, match="LowPrecisionOptimizer"):
+        kdp.shard_optimizer_state(outer)
     assert not state_sharding.shards_state(optimizer)
 
 
