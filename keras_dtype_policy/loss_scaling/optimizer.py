@@ -115,7 +115,10 @@ class LossScaleOptimizer(
             setattr(self, key, getattr(settings, key))
 
     def build(self, var_list: list) -> None:
-        if state_arrival.defers_build(var_list):
+        # Built already (a user's `build` after `load_model`): Keras'
+        # wrapper would add its counters again, fresh, in front of the
+        # loaded ones.
+        if self.built or state_arrival.defers_build(var_list):
             return
         self._reading_own_settings = True
         try:

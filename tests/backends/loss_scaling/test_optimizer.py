@@ -198,6 +198,20 @@ def test_state_lives_in_optimizer_variables():
     assert own[0].path.startswith("lso/")
 
 
+def test_a_second_build_keeps_the_state():
+    # Keras' own wrapper adds its counters again on a second `build` (a
+    # user's `optimizer.build(...)` after `load_model`), fresh ones in
+    # front of those the file loaded; the package's builds once.
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=8)
+    variables = make_variables()
+    optimizer.build(variables)
+    optimizer.dynamic_scale.assign(2.0)
+    before = [v.path for v in optimizer.variables]
+    optimizer.build(variables)
+    assert [v.path for v in optimizer.variables] == before
+    assert optimizer.loss_scale == 2.0
+
+
 def _small_optimizer(dynamic):
     return LossScaleOptimizer(
         keras.optimizers.Adam(0.01),
