@@ -8,6 +8,7 @@ from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.policies import hardware
 from keras_dtype_policy.policies import keras_internals
 from keras_dtype_policy.tools import advice
+from keras_dtype_policy.tools import page_faults
 from keras_dtype_policy.tools.tables import format_table
 from keras_dtype_policy.tools.tables import wrap
 
@@ -168,6 +169,10 @@ def _notes(backend, computing):
         )
     if on_cpu and backend == "torch":
         notes.append(_quantized_state_note())
+    if on_cpu and backend == "jax":
+        note = page_faults.huge_page_note()
+        if note:
+            notes.append(note)
     if on_cpu:
         notes.append(
             "mixed_float16 trains correctly on a CPU, with loss scaling, "
