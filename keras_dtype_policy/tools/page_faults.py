@@ -71,7 +71,7 @@ def huge_page_note(environ=None, thp_mode=None, glibc=None):
     return (
         "JAX's CPU runtime allocates each step's temporary buffers anew, "
         "and glibc maps those above 32 MiB fresh from the kernel, 4 KiB "
-        "at a time (a large model's step spends a tenth or more of its "
-        "time in page faults): start Python "
+        "at a time (a 12.6M-parameter model's step ran 5 to 23% faster "
+        "without those page faults): start Python "
         f"with {SETTING} to map them in 2 MiB pages"
     )
