@@ -26,7 +26,7 @@ import threading
 
 import keras
 import torch
-from keras.src.backend.torch import distribution_lib as torch_distribution
+from keras.src.backend.torch.distribution_lib import DTensorLayout
 from keras.src.backend.torch.ops.core import KerasDTensorPromotionMode
 from torch.distributed.tensor import DTensor
 
@@ -43,7 +43,7 @@ def keras_layout(shape, layout, distribution):
         distribution: The `keras.distribution.Distribution` whose mesh it
             is laid out on.
     """
-    if not isinstance(layout, torch_distribution.DTensorLayout):
+    if not isinstance(layout, DTensorLayout):
         return layout
     names = layout.device_mesh.mesh_dim_names
     axes = [None] * len(shape)
