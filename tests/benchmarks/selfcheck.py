@@ -23,6 +23,7 @@ from tests.benchmarks import measure
 from tests.benchmarks import process_memory
 from tests.benchmarks import report
 from tests.benchmarks import stats
+from tests.benchmarks import step_profile_report
 from tests.benchmarks.sizes import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +87,23 @@ def check_process_memory():
 def check_report_of_failure():
     text = report.render([{"backend": "jax", "error": "boom"}])
     _expect("## jax: failed" in text and "boom" in text, "failure rendered")
+
+
+def check_step_profile_kinds():
+    events = [
+        ("select_convert_fusion.17", 3_000_000_000),
+        ("select_convert_fusion.4", 1_000_000_000),
+        ("_MklMatMul", 2_000_000_000),
+        ("$python frame", 9_000_000_000),
+        ("ThunkExecutor::Execute", 9_000_000_000),
+        ("EagerExecute", 9_000_000_000),
+    ]
+    rows = step_profile_report.kernel_times(events, steps=2)
+    _expect(
+        [(r["kind"], r["ms_per_step"], r["kernels_per_step"]) for r in rows]
+        == [("select_convert_fusion", 2.0, 1.0), ("_MklMatMul", 1.0, 0.5)],
+        f"step_profile_report kernel times: {rows}",
+    )
 
 
 def smoke(backend):
@@ -161,6 +179,7 @@ def main(argv=None):
         check_interleaving,
         check_process_memory,
         check_report_of_failure,
+        check_step_profile_kinds,
     )
     for check in checks:
         check()
