@@ -27,6 +27,7 @@ STEPS = 10
 
 def trace(configuration, batch, steps, directory):
     """Fits benchmark 9's model under `configuration` and traces it."""
+    import jax
     import numpy as np
 
     from keras_dtype_policy.policies.global_policy import policy_scope
@@ -40,8 +41,6 @@ def trace(configuration, batch, steps, directory):
     x = rng.normal(size=(batch * steps, width)).astype("float32")
     y = rng.integers(0, 10, size=(batch * steps,))
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-    import jax
-
     jax.profiler.start_trace(directory)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     jax.profiler.stop_trace()

@@ -7,9 +7,8 @@ Reads the `*.xplane.pb` trace that `step_profile` wrote (the XSpace
 protocol buffer of JAX's profiler) and sums, per kernel kind, the time a
 step spent in it: XLA's kernels by their HLO name with the trailing
 number removed (`select_convert_fusion.17` counts as
-`select_convert_fusion`), and any event named like a TensorFlow op kernel
-by its type. Runs where TensorFlow is installed: the protocol buffer's
-Python module ships with it
+`select_convert_fusion`). Runs where TensorFlow is installed: the
+protocol buffer's Python module ships with it
 (`tensorflow.tsl.profiler.protobuf.xplane_pb2`), so read the trace from
 the `tensorflow` tox environment.
 """
@@ -21,31 +20,18 @@ import pathlib
 import re
 import sys
 
-# Single-word events of TensorFlow's runtime, not kernels.
-RUNTIME_EVENTS = frozenset(
-    (
-        "BlockUntilReady",
-        "DevicePut",
-        "EagerExecute",
-        "EagerKernelExecute",
-        "ExecutorDoneCallback",
-        "FunctionRun",
-    )
-)
+# An HLO instruction's name: lowercase, its number after a dot. The
+# trace's other events are Python frames (`$...`), runtime scopes
+# (`ThunkExecutor::Execute`, `DevicePut`) and the like.
 _XLA_KERNEL = re.compile(r"^[a-z][a-z0-9_\-]*(\.\d+)?$")
-_TF_KERNEL = re.compile(r"^_?[A-Z][A-Za-z0-9]*$")
 
 
 def kernel_kind(name):
-    """`(group, kind)` of a traced event's name, or None for an event
-    that is not a kernel (Python frames, runtime scopes)."""
-    if name in RUNTIME_EVENTS:
+    """The kind of an XLA kernel's traced name (its name without the
+    number), or None for an event that is not an XLA kernel."""
+    if not _XLA_KERNEL.match(name):
         return None
-    if _XLA_KERNEL.match(name):
-        return "xla", re.sub(r"\.\d+$", "", name)
-    if _TF_KERNEL.match(name):
-        return "tensorflow", name
-    return None
+    return re.sub(r"\.\d+$", "", name)
 
 
 def kernel_times(events, steps):
@@ -56,32 +42,31 @@ def kernel_times(events, steps):
         steps: How many steps the trace holds.
 
     Returns:
-        A list of dicts (`group`, `kind`, `ms_per_step`,
-        `kernels_per_step`), longest first.
+        A list of dicts (`kind`, `ms_per_step`, `kernels_per_step`),
+        longest first.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1. Received: steps={steps}")
     total = collections.Counter()
     count = collections.Counter()
     for name, duration in events:
-        key = kernel_kind(name)
-        if key is not None:
-            total[key] += duration
-            count[key] += 1
+        kind = kernel_kind(name)
+        if kind is not None:
+            total[kind] += duration
+            count[kind] += 1
     return [
         {
-            "group": group,
             "kind": kind,
             "ms_per_step": picoseconds / 1e9 / steps,
-            "kernels_per_step": count[(group, kind)] / steps,
+            "kernels_per_step": count[kind] / steps,
         }
-        for (group, kind), picoseconds in total.most_common()
+        for kind, picoseconds in total.most_common()
     ]
 
 
 def trace_events(directory):
-    """`(name, duration in picoseconds)` of every event of the host's
-    plane of the newest trace under `directory`."""
+    """`(name, duration in picoseconds)` of every event of the newest
+    trace under `directory`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     files = sorted(pathlib.Path(directory).rglob("*.xplane.pb"))
@@ -111,7 +96,7 @@ def main(argv=None):
     for row in rows[: args.top]:
         print(
             f"{row['ms_per_step']:8.2f} ms {row['kernels_per_step']:6.1f}x "
-            f"{row['group']:10s} {row['kind']}"
+            f"{row['kind']}"
         )
     if args.output:
         pathlib.Path(args.output).write_text(
