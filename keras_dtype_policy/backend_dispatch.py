@@ -37,6 +37,9 @@ _MODULES = {
     (TORCH, "kernels"): "keras_dtype_policy.low_precision.torch_kernels",
     (JAX, "gathering"): "keras_dtype_policy.low_precision.jax_gathering",
     (JAX, "tracing"): "keras_dtype_policy.low_precision.jax_tracing",
+    (JAX, "reduce_scatter"): (
+        "keras_dtype_policy.low_precision.jax_reduce_scatter"
+    ),
     (TORCH, "sharding"): "keras_dtype_policy.low_precision.torch_sharding",
 }
 

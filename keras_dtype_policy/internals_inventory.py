@@ -295,9 +295,17 @@ KERAS_INTERNALS = (
         _VARIABLE,
         "_layout",
         f"{_LP}.float32_views {_LP}.optimizer {_LP}.state_sharding "
-        f"{_LP}.torch_sharding",
+        f"{_LP}.torch_sharding {_LP}.jax_reduce_scatter",
         "A variable's distribution layout, copied to views and sharded.",
         on_instances=True,
+    ),
+    _internal(
+        "keras.src.backend.jax.trainer.JAXTrainer",
+        "_update_metrics_variables",
+        f"{_LP}.jax_reduce_scatter",
+        "Called: the reduce-scatter train step updates the metrics as "
+        "Keras' JAX train step does.",
+        backend="jax",
     ),
     # Keras' torch distribution API (its development builds, 3.16).
     _internal(

@@ -35,6 +35,7 @@ from keras_dtype_policy.loss_scaling import compile_hook
 from keras_dtype_policy.loss_scaling import keras_lso_from_config
 from keras_dtype_policy.loss_scaling import state_arrival
 from keras_dtype_policy.low_precision import float32_views
+from keras_dtype_policy.low_precision import scattered_gradients
 from keras_dtype_policy.low_precision import state_sharding
 from keras_dtype_policy.policies import float8
 from keras_dtype_policy.policies import keras_internals
@@ -242,6 +243,15 @@ INSTANCE_PATCHES = (
         "and save it whole: gathered from every process where it is split "
         "across processes, which Keras' own save_own_variables cannot read; "
         "on torch, run apply in Keras' DTensor promotion mode.",
+    ),
+    InstancePatch(
+        "models given to shard_optimizer_state(model, reduce_scatter=True) "
+        "(JAX)",
+        scattered_gradients.SCATTER_METHODS,
+        scattered_gradients.remove_all,
+        "Compute each device's gradients in a shard_map and reduce-scatter "
+        "them into the split state's layout, where Keras' train step "
+        "all-reduces them whole.",
     ),
 )
 

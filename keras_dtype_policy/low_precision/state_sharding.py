@@ -28,6 +28,7 @@ import keras
 
 from keras_dtype_policy import backend_dispatch
 from keras_dtype_policy.low_precision import multi_optimizers
+from keras_dtype_policy.low_precision import scattered_gradients
 
 # The methods `shard_optimizer_state` sets on optimizer instances
 # (`apply` on torch only).
@@ -70,8 +71,10 @@ def torch_has_distribution():
 
 
 def shard_optimizer_state(
-    optimizer: keras.optimizers.Optimizer,
-) -> keras.optimizers.Optimizer:
+    optimizer: keras.optimizers.Optimizer | keras.Model,
+    *,
+    reduce_scatter: bool = False,
+) -> keras.optimizers.Optimizer | keras.Model:
     """Splits an optimizer's state across the data-parallel devices.
 
     ZeRO stage 1 on `keras.distribution` (JAX, and torch where Keras'
@@ -83,33 +86,36 @@ def shard_optimizer_state(
     built is moved to the new layout now; call it before `fit` makes its
     train step (e.g. right after `compile` or `load_model`).
 
+    With `reduce_scatter=True` (JAX, `DataParallel`), the model's train
+    step sums each device's gradients into the split layout with a
+    reduce-scatter instead of an all-reduce (DeepSpeed's ZeRO
+    `reduce_scatter`): the bytes of data parallelism's all-reduce. It
+    asks for a loss that is a mean of per-example terms and no layer
+    updating state from the batch (docs/distributed-training.md).
+
     Args:
-        optimizer: A `keras.optimizers.Optimizer`, wrappers included.
+        optimizer: A Keras optimizer (wrappers included), or a compiled
+            model, whose optimizer is split.
+        reduce_scatter: Whether to give the model the reduce-scatter step.
 
     Returns:
-        The optimizer, for `model.compile(shard_optimizer_state(...))`.
+        What it was given, for `model.compile(shard_optimizer_state(...))`.
 
     Raises:
-        NotImplementedError: On TensorFlow and on a Keras release's torch
-            backend, naming what they have; on torch, for a
-            `LowPrecisionOptimizer`.
+        NotImplementedError: On TensorFlow and a Keras release's torch,
+            naming what they have; on torch, for a `LowPrecisionOptimizer`.
         ValueError: If no `keras.distribution` is set.
-        TypeError: If `optimizer` is not a Keras optimizer.
+        TypeError: For a first argument neither an optimizer nor a
+            compiled model, or a `reduce_scatter` not a bool or given
+            with an optimizer.
 
     Example:
 
-    >>> keras.distribution.set_distribution(
-    ...     keras.distribution.DataParallel()
-    ... )
+    >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
     >>> model.compile(keras.optimizers.Adam(), "mse")
     >>> keras_dtype_policy.shard_optimizer_state(model.optimizer)
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "shard_optimizer_state expects a keras.optimizers.Optimizer. "
-            f"Received: optimizer={optimizer!r} (of type "
-            f"{type(optimizer).__name__})"
-        )
+    model, optimizer = _model_and_optimizer(optimizer, reduce_scatter)
     _refuse_backend(optimizer)
     distribution = keras.distribution.distribution()
     if distribution is None:
@@ -119,8 +125,41 @@ def shard_optimizer_state(
             f"ModelParallel(...)) first. Received: optimizer={optimizer.name!r}"
             " with distribution=None"
         )
+    if reduce_scatter:
+        scattered_gradients.install(model)  # first: it may refuse
     _shard(optimizer, distribution)
-    return optimizer
+    return optimizer if model is None else model
+
+
+def _model_and_optimizer(given, reduce_scatter):
+    """`(model or None, optimizer)` of `shard_optimizer_state`'s first
+    argument, checked."""
+    if not isinstance(reduce_scatter, bool):
+        raise TypeError(
+            "shard_optimizer_state's reduce_scatter must be True or False. "
+            f"Received: reduce_scatter={reduce_scatter!r}"
+        )
+    if isinstance(given, keras.Model):
+        if getattr(given, "optimizer", None) is None:
+            raise TypeError(
+                "shard_optimizer_state splits a model's optimizer: compile "
+                f"the model first. Received: model {given.name!r} with no "
+                "optimizer"
+            )
+        return given, given.optimizer
+    if not isinstance(given, keras.optimizers.Optimizer):
+        raise TypeError(
+            "shard_optimizer_state expects a keras.optimizers.Optimizer or "
+            f"a compiled keras.Model. Received: optimizer={given!r} (of type "
+            f"{type(given).__name__})"
+        )
+    if reduce_scatter:
+        raise TypeError(
+            "shard_optimizer_state(reduce_scatter=True) changes the model's "
+            "train step: pass the compiled model, not its optimizer. "
+            f"Received: optimizer={given.name!r} with reduce_scatter=True"
+        )
+    return None, given
 
 
 def shards_state(optimizer):
