@@ -119,9 +119,7 @@ class _LocalStep:
                 model.optimizer.variables, self.optimizer_split, strict=True
             )
         ]
-        grad_fn = jax.value_and_grad(
-            model.compute_loss_and_updates, has_aux=True
-        )
+        grad_fn = jax.value_and_grad(self.share_of_loss, has_aux=True)
         (_, aux), grads = grad_fn(
             trainable,
             folded,
@@ -152,16 +150,22 @@ class _LocalStep:
         unscaled_loss = jax.lax.pmean(unscaled_loss, self.axis)
         return unscaled_loss, y_pred, new_non_trainable, new_metrics, grads
 
+    def share_of_loss(self, *args, **kwargs):
+        """Keras' loss of this device's examples over the device count:
+        its share of the whole batch's mean, so that each device's
+        gradients are the parts Keras' step sums (the same range in
+        float16, and the same values)."""
+        loss, aux = self.model.compute_loss_and_updates(*args, **kwargs)
+        return loss / np.asarray(self.devices, dtype=loss.dtype), aux
+
     def reduce(self, gradient, spec):
-        """The mean over devices, kept split where `spec` splits it."""
+        """The sum over devices, kept split where `spec` splits it."""
         dimension = _split_dimension(spec, self.axis)
         if dimension is None:
-            total = jax.lax.psum(gradient, self.axis)
-        else:
-            total = jax.lax.psum_scatter(
-                gradient, self.axis, scatter_dimension=dimension, tiled=True
-            )
-        return total / np.asarray(self.devices, dtype=total.dtype)
+            return jax.lax.psum(gradient, self.axis)
+        return jax.lax.psum_scatter(
+            gradient, self.axis, scatter_dimension=dimension, tiled=True
+        )
 
     def settle(self, variable, old, folded_old, new):
         """A non-trainable variable's value after the step, the same on

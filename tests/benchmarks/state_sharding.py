@@ -3,15 +3,18 @@
 A stack of 10 Dense 1024x1024 layers (10,496,000 parameters) trains 100
 steps of global batch 16 under `keras.distribution.DataParallel` on N = 2,
 4 and 8 simulated CPU devices (`--xla_force_host_platform_device_count`),
-with Adam, `LossScaleOptimizer(Adam)` and `kahan_bfloat16` (Adam in the
-`LowPrecisionOptimizer`), each with and without
-`keras_dtype_policy.shard_optimizer_state`. One process per N
+with Adam, `LossScaleOptimizer(Adam)`, `kahan_bfloat16` and
+`stochastic_bfloat16_8bit` (Adam in the `LowPrecisionOptimizer`), each
+without `keras_dtype_policy.shard_optimizer_state`, with it, and with it
+and `reduce_scatter=True` (#46). One process per N
 (`state_sharding_probe.py`). Reported: per-device optimizer-state bytes
 over the unsharded run's (target <= 1/N + 5%), the largest weight
-difference after 100 steps (target <= 1e-6), the collectives of each
-compiled train step from its HLO text, and the step-time ratio, sharded
-over unsharded. The devices are simulated on one CPU: the ratio says what
-the partitioned program costs there, not what it saves on accelerators.
+difference after 100 steps (target <= 1e-6 with float32 compute), the
+collectives of each compiled train step from its HLO text, the bytes a
+device sends for them (target: the reduce-scatter step's <= data
+parallelism's), and the step-time ratios over unsharded. The devices are
+simulated on one CPU: the ratio says what the partitioned program costs
+there, not what it saves on accelerators.
 
 Run alone, pinned:
 `taskset -c 1 python -m tests.benchmarks.state_sharding --threads 1`.
@@ -51,8 +54,15 @@ def run(threads=None, steps=100, device_counts=DEVICE_COUNTS):
     for probe in probes.values():
         target = 1 / probe["devices"] + STATE_MARGIN
         for row in probe["rows"].values():
-            row["state_ok"] = row["state_ratio"] <= target
-            row["weights_ok"] = row["weight_difference"] <= WEIGHT_TOLERANCE
+            row["state_ok"] = row["sharded_state_ratio"] <= target
+            row["wire_ok"] = (
+                row["reduce_scatter"]["wire_bytes"]
+                <= row["unsharded"]["wire_bytes"]
+            )
+            row["weights_ok"] = {
+                run: row[f"{run}_weight_difference"] <= WEIGHT_TOLERANCE
+                for run in ("sharded", "reduce_scatter")
+            }
     return {"threads": threads, "steps": steps, "probes": probes}
 
 
@@ -63,21 +73,26 @@ def table(results):
         "",
         "| N | optimizer | state bytes/device, sharded over unsharded "
         "(<= 1/N + 0.05) | largest weight difference after "
-        f"{results['steps']} steps (<= 1e-6) | collectives per step, "
-        "unsharded | collectives per step, sharded | step time, sharded over "
-        "unsharded (simulated CPU) |",
-        "|---|---|---|---|---|---|---|",
+        f"{results['steps']} steps, sharded / reduce-scatter | MiB a device "
+        "sends a step: unsharded / sharded / reduce-scatter | "
+        "step time over unsharded: sharded / reduce-scatter (simulated "
+        "CPU) |",
+        "|---|---|---|---|---|---|",
     ]
     for devices, probe in results["probes"].items():
         for name, row in probe["rows"].items():
+            sent = " / ".join(
+                f"{row[run]['wire_bytes'] / 2**20:.1f}"
+                for run in ("unsharded", "sharded", "reduce_scatter")
+            )
             lines.append(
-                f"| {devices} | {name} | {row['state_ratio']:.4f} "
+                f"| {devices} | {name} | {row['sharded_state_ratio']:.4f} "
                 f"{'ok' if row['state_ok'] else 'MISSED'} | "
-                f"{row['weight_difference']:.1e} "
-                f"{'ok' if row['weights_ok'] else 'MISSED'} | "
-                f"{_collectives(row['unsharded']['collectives'])} | "
-                f"{_collectives(row['sharded']['collectives'])} | "
-                f"{row['step_time_ratio']:.3f} |"
+                f"{row['sharded_weight_difference']:.1e} / "
+                f"{row['reduce_scatter_weight_difference']:.1e} | "
+                f"{sent} {'ok' if row['wire_ok'] else 'MISSED'} | "
+                f"{row['sharded_step_time_ratio']:.3f} / "
+                f"{row['reduce_scatter_step_time_ratio']:.3f} |"
             )
     probe = next(iter(results["probes"].values()))
     rows = probe["rows"]
@@ -87,7 +102,21 @@ def table(results):
         f"({next(iter(rows.values()))['parameters']:,} parameters), global "
         f"batch {probe['batch']}, Adam(1e-4); device: {probe['device_kind']} "
         f"(simulated), XLA threads: {results['threads']}.",
+        "",
+        f"Collectives per step, N = {probe['devices']}:",
+        "",
+        "| optimizer | unsharded | sharded | reduce-scatter |",
+        "|---|---|---|---|",
     ]
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                _collectives(row[run]["collectives"])
+                for run in ("unsharded", "sharded", "reduce_scatter")
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -5,11 +5,13 @@
 
 Sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX
 starts. For each configuration (`CONFIGURATIONS`) it trains the same
-stack of Dense layers under `keras.distribution.DataParallel` twice, with
-and without `keras_dtype_policy.shard_optimizer_state`, and prints one
-line: `MARKER` and a JSON dict of the per-device state bytes, the largest
-weight difference after `--steps` steps, the step times and the
-collectives of each compiled train step (read from its HLO text).
+stack of Dense layers under `keras.distribution.DataParallel` three times:
+without `keras_dtype_policy.shard_optimizer_state`, with it (Keras' train
+step), and with it and `reduce_scatter=True` (the package's step). It
+prints one line: `MARKER` and a JSON dict of the per-device state bytes,
+the largest weight difference after `--steps` steps, the step times, and
+the collectives of each compiled train step (read from its HLO text) with
+the bytes each device sends for them (`wire_bytes`).
 """
 
 import argparse
@@ -21,7 +23,13 @@ import sys
 import time
 
 MARKER = "STATE_SHARDING_PROBE "
-CONFIGURATIONS = ("adam", "lso_adam", "kahan_bfloat16")
+CONFIGURATIONS = (
+    "adam",
+    "lso_adam",
+    "kahan_bfloat16",
+    "stochastic_bfloat16_8bit",
+)
+RUNS = ("unsharded", "sharded", "reduce_scatter")
 COLLECTIVES = (
     "all-reduce",
     "reduce-scatter",
@@ -63,6 +71,23 @@ def collectives(hlo_text):
     return dict(found)
 
 
+def wire_bytes(found, devices):
+    """Bytes one device sends a step for the collectives `found`, as a
+    ring (or any bandwidth-optimal algorithm) moves them: an all-reduce of
+    S bytes sends 2(N-1)/N S, a reduce-scatter (N-1)/N of its operand
+    (N times its result, which the HLO shape gives), an all-gather
+    (N-1)/N of its result."""
+    share = (devices - 1) / devices
+    factor = {
+        "all-reduce": 2 * share,
+        "reduce-scatter": share * devices,
+        "all-gather": share,
+    }
+    return sum(
+        found.get(kind, {"bytes": 0})["bytes"] * f for kind, f in factor.items()
+    )
+
+
 def main(argv=None):
     args = arguments(argv)
     flags = [f"--xla_force_host_platform_device_count={args.devices}"]
@@ -83,7 +108,7 @@ def main(argv=None):
 
     def build(configuration):
         keras.utils.set_random_seed(0)
-        policy = "kahan_bfloat16" if configuration == "kahan_bfloat16" else None
+        policy = None if "adam" in configuration else configuration
         with kdp.policy_scope(policy or "float32"):
             model = keras.Sequential(
                 [keras.Input((args.width,))]
@@ -123,13 +148,15 @@ def main(argv=None):
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
 
-    def train(configuration, shard):
+    def train(configuration, run):
         keras.utils.clear_session()
         distribution = keras.distribution.DataParallel()
         keras.distribution.set_distribution(distribution)
         model = build(configuration)
-        if shard:
-            kdp.shard_optimizer_state(model.optimizer)
+        if run != "unsharded":
+            kdp.shard_optimizer_state(
+                model, reduce_scatter=run == "reduce_scatter"
+            )
         model.optimizer.build(model.trainable_variables)
         local = whole = 0
         for variable in model.optimizer.variables:
@@ -156,25 +183,28 @@ def main(argv=None):
             "step_seconds": float(np.median(steps)),
             "collectives": collectives(hlo_text(model, distribution)),
         }
+        found["wire_bytes"] = wire_bytes(found["collectives"], args.devices)
         return found, weights, model.count_params()
 
     rows = {}
     for configuration in CONFIGURATIONS:
-        unsharded, reference, parameters = train(configuration, False)
-        sharded, weights, _ = train(configuration, True)
-        rows[configuration] = {
-            "parameters": parameters,
-            "unsharded": unsharded,
-            "sharded": sharded,
-            "state_ratio": sharded["state_bytes_per_device"]
-            / unsharded["state_bytes_per_device"],
-            "step_time_ratio": sharded["step_seconds"]
-            / unsharded["step_seconds"],
-            "weight_difference": max(
+        found, trained, parameters = {}, {}, None
+        for run in RUNS:
+            found[run], trained[run], parameters = train(configuration, run)
+        row = {"parameters": parameters, **found}
+        for run in RUNS[1:]:
+            row[f"{run}_state_ratio"] = (
+                found[run]["state_bytes_per_device"]
+                / found["unsharded"]["state_bytes_per_device"]
+            )
+            row[f"{run}_step_time_ratio"] = (
+                found[run]["step_seconds"] / found["unsharded"]["step_seconds"]
+            )
+            row[f"{run}_weight_difference"] = max(
                 float(np.max(np.abs(a - b)))
-                for a, b in zip(weights, reference, strict=True)
-            ),
-        }
+                for a, b in zip(trained[run], trained["unsharded"], strict=True)
+            )
+        rows[configuration] = row
     result = {
         "devices": args.devices,
         "device_kind": jax.devices()[0].platform,

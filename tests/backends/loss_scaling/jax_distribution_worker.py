@@ -269,7 +269,9 @@ def gathered(variable):
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
-def run_sharded_state(engine, out_dir, process_id, num_processes):
+def run_sharded_state(
+    engine, out_dir, process_id, num_processes, reduce_scatter=False
+):
     """Trains `SHARDED_POLICY` with its state split across the devices.
 
     The compile hook wraps Adam in a `LossScaleOptimizer` around a
@@ -278,7 +280,8 @@ def run_sharded_state(engine, out_dir, process_id, num_processes):
     codes and scales along the data axis; the NaN batch skips one step.
     Every process saves a `.keras` and a `.weights.h5` file; the whole
     (gathered) state, each variable's path and the shapes of this
-    process's shards go to OUT_DIR/ENGINE_sharded_pID.npz and .json.
+    process's shards go to OUT_DIR/ENGINE_sharded_pID.npz and .json
+    (ENGINE_scattered_pID with `reduce_scatter`, the package's step).
     """
     keras.utils.clear_session()
     dist = keras.distribution.DataParallel(auto_shard_dataset=False)
@@ -301,7 +304,7 @@ def run_sharded_state(engine, out_dir, process_id, num_processes):
         keras.optimizers.Adam(1e-3, epsilon=1e-4),
         "mse",
     )
-    kdp.shard_optimizer_state(model.optimizer)
+    kdp.shard_optimizer_state(model, reduce_scatter=reduce_scatter)
     recorder = StateRecorder()
     model.fit(
         x,
@@ -311,7 +314,8 @@ def run_sharded_state(engine, out_dir, process_id, num_processes):
         verbose=0,
         callbacks=[recorder],
     )
-    stem = os.path.join(out_dir, f"{engine}_sharded_p{process_id}")
+    run_name = "scattered" if reduce_scatter else "sharded"
+    stem = os.path.join(out_dir, f"{engine}_{run_name}_p{process_id}")
     model.save(f"{stem}.keras")
     model.save_weights(f"{stem}.weights.h5")
     if num_processes > 1:
@@ -384,7 +388,10 @@ def main(argv):
             run(engine, policy, mode, out_dir, process_id, num_processes, dist)
             keras.distribution.set_distribution(None)
     if engine == "multi":
-        run_sharded_state(engine, out_dir, process_id, num_processes)
+        for reduce_scatter in (False, True):
+            run_sharded_state(
+                engine, out_dir, process_id, num_processes, reduce_scatter
+            )
 
     setup = {
         "devices": [str(d) for d in jax.devices()],

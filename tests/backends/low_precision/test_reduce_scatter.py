@@ -33,7 +33,8 @@ FAST_CASES = (
 )
 SLOW_CASES = ("lso_adam", "stochastic_bfloat16_4bit")
 # Four Adam steps at 1e-2. float32 compute: bit for bit Keras' step (each
-# device's part of the batch is summed in the same order). bfloat16
+# device differentiates its share of the batch's mean, the part Keras'
+# step sums, and the parts are summed in the same order). bfloat16
 # compute: each device's gradient is rounded to bfloat16 before the four
 # are summed (as torch's DistributedDataParallel sums them), where Keras'
 # partitioned step may sum the float32 partial products first: one step's
