@@ -421,9 +421,7 @@ def reloaded(path):
 
 @pytest.mark.parametrize("suffix", [".keras", ".weights.h5"])
 @pytest.mark.parametrize("run", ["sharded", "scattered"])
-def test_state_split_across_processes_reloads_whole_on_one(
-    runs, suffix, run
-):
+def test_state_split_across_processes_reloads_whole_on_one(runs, suffix, run):
     # "scattered": `shard_optimizer_state(model, reduce_scatter=True)`,
     # whose shard_map step spans both processes.
     out = load(runs, "multi")
