@@ -9,8 +9,9 @@ This step computes each device's gradients from its own examples inside
 `jax.shard_map` and sums them with `lax.psum_scatter` into the state's
 layout: a reduce-scatter, half the bytes of an all-reduce. The update
 then runs on each device's part (the partitioned program Keras compiles),
-and XLA all-gathers the new weights, in their own dtype. Together: the
-bytes data parallelism's all-reduce moves, and 1/N of the state a device.
+and XLA all-gathers the new weights (in float32 on a CPU, which converts
+a bfloat16 collective). Together: the bytes data parallelism's all-reduce
+moves, and 1/N of the state a device.
 
 What it asks of the model (the contract of every per-device data-parallel
 step: torch's DistributedDataParallel, `jax.pmap`): the loss is a mean of
